@@ -1,0 +1,5 @@
+"""Correctly rounded mean and variance for TensorFlow: moments and a Keras layer."""
+
+from tf_stable_moments._moments import moments
+
+__all__ = ["moments"]

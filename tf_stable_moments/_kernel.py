@@ -1,0 +1,326 @@
+"""The stable moments kernel in TensorFlow: a mirror of ``jax_kernel/_kernel.py``.
+
+The same steps, the same names, in the same order; ``docs/algorithm.md`` is
+the contract both follow; section numbers below refer to it.
+
+Every operation is either exact or a single IEEE-754 rounding whose result does
+not depend on fusion: the only products are exact (halves of at most 12
+significant bits for float32, 26 for float64, or powers of two), so XLA's
+contraction of ``a*b + c`` into an FMA cannot change a bit (section 6).
+
+Unlike the JAX kernel, the slice length n may be unknown while tracing (a
+tf.function with None dimensions).  Then the tree runs a fixed number of folds
+over zero-padded arrays and 1/n is computed by integer long division in the
+graph; both give the same bits as the static path (sections 5 and 7).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+# Tree levels evaluated per fold.  Any value gives the same bits (section 5).
+FOLD_LEVELS = 2
+# Folds run when n is unknown while tracing: enough for 2**32 elements.
+DYNAMIC_FOLDS = 16
+
+
+class Format(NamedTuple):
+    """Bit layout of a working float type (section 2)."""
+
+    float_dtype: tf.DType
+    int_dtype: tf.DType
+    mantissa_bits: int  # stored significand bits: 23 or 52
+    bias: int  # exponent bias: 127 or 1023
+    split_mask: int  # keeps the top 12 (26) significant bits
+    split_half: int  # half a unit of the dropped bits: round to nearest
+
+
+FORMATS = {
+    tf.float32: Format(tf.float32, tf.int32, 23, 127, ~0xFFF, 0x800),
+    tf.float64: Format(tf.float64, tf.int64, 52, 1023, ~((1 << 27) - 1), 1 << 26),
+}
+
+
+# ---------------------------------------------------------------- section 6: error-free steps
+def two_sum(a, b):
+    """s + e == a + b exactly, s = fl(a + b) (Knuth, Ogita-Rump-Oishi Alg. 3.1)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def fast_two_sum(a, b):
+    """s + e == a + b exactly when |a| >= |b| or a == 0 (Dekker)."""
+    s = a + b
+    return s, b - (s - a)
+
+
+def split(a, fmt):
+    """a == hi + lo, hi rounded to 12 (26) significant bits by a bit mask."""
+    bits = tf.bitcast(a, fmt.int_dtype)
+    hi = tf.bitcast(
+        tf.bitwise.bitwise_and(bits + fmt.split_half, tf.constant(fmt.split_mask, fmt.int_dtype)),
+        fmt.float_dtype,
+    )
+    return hi, a - hi
+
+
+def two_prod(a, b, fmt):
+    """(p, e) with p + e == a * b to double precision, from exact partial products."""
+    ah, al = split(a, fmt)
+    bh, bl = split(b, fmt)
+    p, e1 = two_sum(ah * bh, ah * bl)
+    p, e2 = two_sum(p, al * bh)
+    return p, (e1 + e2) + al * bl
+
+
+def df_add(ah, al, bh, bl):
+    s, e = two_sum(ah, bh)
+    return fast_two_sum(s, e + (al + bl))
+
+
+def df_mul(ah, al, bh, bl, fmt):
+    p, e = two_prod(ah, bh, fmt)
+    cross = two_prod(ah, bl, fmt)[0] + two_prod(al, bh, fmt)[0]
+    return fast_two_sum(p, e + cross)
+
+
+def pow2(k, fmt):
+    """2**k for integer k in the normal range, built from its bits."""
+    k = tf.cast(k, fmt.int_dtype)
+    return tf.bitcast(tf.bitwise.left_shift(k + fmt.bias, fmt.mantissa_bits), fmt.float_dtype)
+
+
+def exponent(a, fmt):
+    """floor(log2|a|) for normal a; -bias for zero; bias + 1 for inf and nan."""
+    bits = tf.bitcast(a, fmt.int_dtype)
+    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, fmt.mantissa_bits), 2 * fmt.bias + 1) - fmt.bias
+
+
+def _bit_length(n):
+    """Bit length of a non-negative int64 tensor below 2**53."""
+    bits = tf.bitcast(tf.cast(n, tf.float64), tf.int64)
+    return tf.maximum(tf.bitwise.right_shift(bits, 52) - 1022, 0)
+
+
+def reciprocal_pair(n, fmt):
+    """1/n as a double-float pair (hi, lo) for an integer n >= 1 (section 7).
+
+    Integer long division in digits of c = 12 (26) bits, then exact float steps;
+    no floating-point division anywhere (XLA's CPU division is not IEEE-exact).
+    On the host when n is static, in int64 graph ops when it is not.
+    """
+    c = (fmt.mantissa_bits + 1) // 2
+    f = fmt.float_dtype.as_numpy_dtype
+    if isinstance(n, (int, np.integer)):
+        n = max(int(n), 1)
+        t = n.bit_length()
+        digit, r = divmod(1 << t, n)
+        digits = [digit]
+        for _ in range(4):
+            digit, r = divmod(r << c, n)
+            digits.append(digit)
+        digits = [tf.constant(d, fmt.float_dtype) for d in digits]
+        scale = tf.constant(2.0**-t, fmt.float_dtype)
+    else:
+        n = tf.maximum(tf.cast(n, tf.int64), 1)
+        t = _bit_length(n)
+        r = tf.bitwise.left_shift(tf.constant(1, tf.int64), t)
+        digits = [r // n]
+        r = r % n
+        for _ in range(4):
+            r = tf.bitwise.left_shift(r, c)
+            digits.append(r // n)
+            r = r % n
+        digits = [tf.cast(d, fmt.float_dtype) for d in digits]
+        scale = pow2(-t, fmt)
+    a = digits[0] + digits[1] * f(2.0**-c)
+    b = digits[2] * f(2.0 ** (-2 * c)) + digits[3] * f(2.0 ** (-3 * c))
+    h, l = two_sum(a, b)
+    l = l + digits[4] * f(2.0 ** (-4 * c))
+    return h * scale, l * scale
+
+
+# ---------------------------------------------------------------- section 5: the tree
+def _slice(v, lo, hi, axis):
+    return v[lo:hi] if axis == 0 else v[:, lo:hi]
+
+
+def _fold(h, l, levels, axis):
+    rows = 1 << levels
+    size = h.shape[axis]
+    if size is None:  # dynamic: pad to at least `rows`, a power of two
+        size = tf.shape(h)[axis]
+        pad = [[0, 0], [0, 0]]
+        pad[axis] = [0, tf.maximum(rows - size, 0)]
+        h = tf.pad(h, pad)
+        l = None if l is None else tf.pad(l, pad)
+        size = tf.maximum(size, rows)
+    shape = tf.unstack(tf.shape(h)) if None in h.shape else list(h.shape)
+    folded = shape[:axis] + [rows, size // rows] + shape[axis + 1 :]
+    h = tf.reshape(h, tf.stack(folded) if None in h.shape else folded)
+    l = None if l is None else tf.reshape(l, tf.stack(folded) if None in l.shape else folded)
+    while rows > 1:
+        rows //= 2
+        h0 = _slice(h, 0, rows, axis)
+        h1 = _slice(h, rows, 2 * rows, axis)
+        if l is None:
+            h = h0 + h1
+        else:
+            h, e = two_sum(h0, h1)
+            l0 = _slice(l, 0, rows, axis)
+            l1 = _slice(l, rows, 2 * rows, axis)
+            l = (l0 + l1) + e
+    h = tf.squeeze(h, axis)
+    return h, (None if l is None else tf.squeeze(l, axis))
+
+
+def _pad_to_power_of_two(v, axis):
+    n = v.shape[axis]
+    if n is not None:
+        size = 1 << max(n - 1, 0).bit_length()
+        if size == n:
+            return v
+        pad_amount = size - n
+    else:
+        n = tf.cast(tf.shape(v)[axis], tf.int64)
+        size = tf.bitwise.left_shift(tf.constant(1, tf.int64), _bit_length(tf.maximum(n - 1, 0)))
+        pad_amount = tf.cast(size - n, tf.int32)
+    pad = [[0, 0], [0, 0]]
+    pad[axis] = [0, pad_amount]
+    return tf.pad(v, pad)
+
+
+def tree_sum(h, l, axis):
+    """Halving tree over `axis` (zero padded to 2**k): node i pairs with i + half.
+
+    With l None the tree is plain; otherwise every node is a TwoSum on the high
+    parts and the low parts and errors are added as (l_i + l_j) + e.
+    """
+    h = _pad_to_power_of_two(h, axis)
+    l = None if l is None else _pad_to_power_of_two(l, axis)
+    if h.shape[axis] is None:
+        for _ in range(DYNAMIC_FOLDS):
+            h, l = _fold(h, l, FOLD_LEVELS, axis)
+        return _reduced(h, axis), (None if l is None else _reduced(l, axis))
+    levels = h.shape[axis].bit_length() - 1
+    while levels > 0:
+        step = min(FOLD_LEVELS, levels)
+        h, l = _fold(h, l, step, axis)
+        levels -= step
+    return tf.squeeze(h, axis), (None if l is None else tf.squeeze(l, axis))
+
+
+def _reduced(v, axis):
+    """The single remaining element along `axis` after the dynamic folds."""
+    return _slice(v, 0, 1, axis)[0] if axis == 0 else _slice(v, 0, 1, axis)[:, 0]
+
+
+# ---------------------------------------------------------------- sections 3-4: one part
+def classify(x, axis):
+    """Step 0: the largest magnitude and the non-finite summary of each slice."""
+    amax = tf.reduce_max(tf.abs(x), axis=axis, keepdims=True)
+    nonfinite = tf.reduce_sum(tf.where(tf.math.is_finite(x), tf.zeros_like(x), x), axis=axis)
+    return amax, nonfinite
+
+
+def scale_exponent(amax, fmt):
+    """Step 1: e such that max|x| * 2**e lies in [2, 4)."""
+    return tf.clip_by_value(1 - exponent(amax, fmt), 1 - fmt.bias, fmt.bias)
+
+
+def square(dh, dl, fmt):
+    """Step 4: (qh, ql) ~ (dh + dl)**2 from exact products of 12-bit halves."""
+    ah, al = split(dh, fmt)
+    ch, cl = split(dl, fmt)
+    a2 = ah + ah
+    qh, q1 = two_sum(ah * ah, a2 * al)
+    ql = q1 + ((al * al + a2 * ch) + (a2 * cl + (al + al) * ch))
+    return qh, ql
+
+
+def part_sums(x, e, n, axis, fmt):
+    """Steps 1-5 for one real part: the centre c and the pairs S1, S2."""
+    # Step 1: range.  Drop what the scaled value would flush, then scale exactly.
+    threshold = pow2(tf.maximum(-e, 0) + 1 - fmt.bias, fmt)
+    xs = tf.where(tf.abs(x) < threshold, tf.zeros_like(x), x) * pow2(e, fmt)
+    # Step 2: shift by the first element.
+    k = _slice(xs, 0, 1, axis)
+    sy, _ = tree_sum(xs - k, None, axis)
+    # Step 3: local centring.
+    c = k + two_prod(tf.expand_dims(sy, axis), reciprocal_pair(n, fmt)[0], fmt)[0]
+    # Step 4: exact residuals and their squares.
+    dh, dl = two_sum(xs, -c)
+    qh, ql = square(dh, dl, fmt)
+    # Step 5: the compensated trees.
+    s1 = tree_sum(dh, dl, axis)
+    s2 = tree_sum(qh, ql, axis)
+    return tf.squeeze(c, axis), s1, s2
+
+
+# ---------------------------------------------------------------- section 7: finish
+def finish(parts, e, n, ddof, fmt):
+    """Two-term correction, division and the single rounding, per slice.
+
+    parts: a list of (c, (s1h, s1l), (s2h, s2l)) sharing the scale exponent e.
+    Returns the scaled-back (mean_hi, mean_lo) of each part and the variance.
+    """
+    rnh, rnl = reciprocal_pair(n, fmt)
+    rdh, rdl = reciprocal_pair(n - ddof, fmt)
+    means, num = [], None
+    for c, (s1h, s1l), (s2h, s2l) in parts:
+        s1h, s1l = two_sum(s1h, s1l)
+        s2h, s2l = two_sum(s2h, s2l)
+        m1h, m1l = df_mul(s1h, s1l, rnh, rnl, fmt)
+        means.append(df_add(c, tf.zeros_like(c), m1h, m1l))
+        ch, cl = df_mul(m1h, m1l, s1h, s1l, fmt)
+        term = df_add(s2h, s2l, -ch, -cl)
+        num = term if num is None else df_add(*num, *term)
+    vh, _ = df_mul(*num, rdh, rdl, fmt)
+    var = tf.where(vh > 0, vh, tf.zeros_like(vh))
+    e1 = tf.bitwise.right_shift(e, 1)
+    u1, u2 = pow2(-e1, fmt), pow2(e1 - e, fmt)
+    var = var * u1 * u1 * u2 * u2
+    means = [(mh * u1 * u2, ml * u1 * u2) for mh, ml in means]
+    return means, var
+
+
+def slice_moments(parts_x, axis, ddof):
+    """Mean pairs and variance of the slices of 2-D tensors along `axis` (0 or 1).
+
+    parts_x: one real tensor, or the real and imaginary parts of a complex one.
+    Returns ([(mean_hi, mean_lo) per part], var), each of the kept length.
+    """
+    fmt = FORMATS[parts_x[0].dtype]
+    n = parts_x[0].shape[axis]
+    if n == 0:
+        nan = tf.fill([tf.shape(parts_x[0])[1 - axis]], tf.constant(np.nan, fmt.float_dtype))
+        return [(nan, tf.zeros_like(nan)) for _ in parts_x], nan
+    if n is None:  # unknown while tracing: keep at least one element per slice
+        n = tf.shape(parts_x[0], out_type=tf.int64)[axis]
+        pad = [[0, 0], [0, 0]]
+        pad[axis] = [0, tf.cast(tf.maximum(1 - n, 0), tf.int32)]
+        parts_x = [tf.pad(x, pad) for x in parts_x]
+        parts_x = [tf.ensure_shape(x, [None, None]) for x in parts_x]
+    # Step 0: classify; one scale for all parts.
+    classified = [classify(x, axis) for x in parts_x]
+    amax = classified[0][0]
+    for a, _ in classified[1:]:
+        amax = tf.maximum(amax, a)
+    e = scale_exponent(amax, fmt)
+    parts = [part_sums(x, e, n, axis, fmt) for x in parts_x]
+    means, var = finish(parts, tf.squeeze(e, axis), n, ddof, fmt)
+    # Section 8: special values, each slice on its own.
+    nan = tf.fill(tf.shape(var), tf.constant(np.nan, fmt.float_dtype))
+    zero = tf.zeros_like(nan)
+    all_finite = None
+    out_means = []
+    for (mh, ml), (_, nonfinite) in zip(means, classified):
+        finite = tf.math.is_finite(nonfinite)
+        all_finite = finite if all_finite is None else all_finite & finite
+        special = tf.where(tf.math.is_nan(nonfinite), nan, nonfinite)
+        mh = tf.where(finite, tf.where(mh == 0, zero, mh), special)
+        out_means.append((mh, tf.where(finite, ml, zero)))
+    var = tf.where(all_finite & (n - ddof > 0), var, nan)
+    return out_means, var
