@@ -136,6 +136,11 @@ def _slice_moments(parts, axis, ddof):
                 raise
             warnings.warn(f"tf_stable_moments: XLA unavailable ({err.__class__.__name__}); using plain ops")
             _xla_state["ok"] = False
+    if not tf.executing_eagerly():
+        # Grappler's arithmetic optimizer rewrites trees of same-shape additions
+        # into AddN, which changes their rounding; it leaves tensors of unknown
+        # shape alone, so the plain graph path runs on shape-erased inputs.
+        parts = [tf.raw_ops.PlaceholderWithDefault(input=p, shape=[None, None]) for p in parts]
     return _slice_moments_plain(axis, ddof, *parts)
 
 

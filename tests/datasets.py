@@ -1,0 +1,68 @@
+"""Named test data: the design note's D1-D4 and stress data, all float32.
+
+Each entry maps a readable name to (array, axes, mean_cancels).  mean_cancels
+marks data whose mean is itself the result of cancellation, where the mean is
+held to an absolute bound instead of one ulp.
+"""
+
+import numpy as np
+
+
+def design_note():
+    """D1-D4 exactly as the design note draws them (numpy default_rng(0), in order)."""
+    rng = np.random.default_rng(0)
+    d1 = rng.normal(1000, 0.01, (1000, 64)).astype(np.float32)
+    d2 = rng.normal(1e4, 1, (64, 1000)).astype(np.float32)
+    d3 = rng.normal(0, 1, (1000, 64)).astype(np.float32)
+    d4 = rng.normal(1e6, 1, (1000, 64)).astype(np.float32)
+    return {"D1": (d1, (0,), False), "D2": (d2, (1,), False), "D3": (d3, (0,), True), "D4": (d4, (0,), False)}
+
+
+def stress():
+    rng = np.random.default_rng(1234)
+    f32 = np.float32
+    out = {}
+    for offset in (1e10, 1e20, 1e30, 1e38):
+        x = rng.normal(offset, offset * 2.0**-20, (200, 8))
+        out[f"offset_{offset:.0e}"] = (np.clip(x, -3e38, 3e38).astype(f32), (0,), False)
+    for spread in (1e-19, 1e-10, 1e10, 1e18):
+        out[f"spread_{spread:.0e}"] = (rng.normal(0, spread, (300, 8)).astype(f32), (0,), True)
+    out["spread_1e-19_at_1e-12"] = (rng.normal(1e-12, 1e-19, (300, 8)).astype(f32), (0,), False)
+    for n in (1, 2, 3, 5, 7, 1001):
+        out[f"n_{n}"] = (rng.normal(3.0, 0.5, (n, 16)).astype(f32), (0,), False)
+    out["n_65536"] = (rng.normal(1e5, 3.0, (2, 65536)).astype(f32), (1,), False)
+    out["n_65537"] = (rng.normal(-7e4, 0.25, (65537, 2)).astype(f32), (0,), False)
+    big = rng.choice([-1e30, 1e30, -3e20, 3e20], (512, 8)) + rng.normal(0, 1, (512, 8))
+    out["cancelling_large"] = (big.astype(f32), (0,), True)
+    outlier = rng.normal(0, 1, (4096, 4))
+    outlier[0] = 1e12  # the shift K is an outlier: the local centring must recover
+    out["first_element_outlier"] = (outlier.astype(f32), (0,), False)
+    out["heavy_tail_cauchy"] = (rng.standard_cauchy((2000, 8)).astype(f32), (0,), True)
+    out["heavy_tail_pareto"] = ((rng.pareto(1.1, (2000, 8)) + 1).astype(f32), (0,), False)
+    sparse = np.where(rng.random((4000, 8)) < 0.01, rng.lognormal(-20, 8, (4000, 8)), 0.0)
+    out["gradient_sparse"] = ((sparse * rng.choice([-1, 1], sparse.shape)).astype(f32), (0,), True)
+    tiny = rng.normal(3e-38, 1e-38, (256, 4))
+    tiny[::7] = 1e-41  # subnormal inputs count as zero
+    out["tiny_with_subnormals"] = (tiny.astype(f32), (0,), False)
+    out["huge_overflowing_variance"] = (
+        rng.choice([-3e38, 3e38], (64, 4)).astype(f32), (0,), True,
+    )
+    out["axes_0_1_2_conv"] = (rng.normal(50.0, 0.1, (8, 6, 5, 3)).astype(f32), (0, 1, 2), False)
+    out["axes_0_2_strided"] = (rng.normal(-2e3, 0.01, (10, 3, 7)).astype(f32), (0, 2), False)
+    out["axes_1_middle"] = (rng.normal(1e7, 1.0, (4, 33, 5)).astype(f32), (1,), False)
+    return out
+
+
+def all_datasets():
+    return {**design_note(), **stress()}
+
+
+def identical(value, n=3, dtype=np.float32):
+    return np.full((n,), value, dtype)
+
+
+def slices(x, axes):
+    """The slices of x over `axes` as rows: reduced axes moved last, row-major."""
+    kept = [a for a in range(x.ndim) if a not in axes]
+    n = int(np.prod([x.shape[a] for a in axes]))
+    return np.transpose(x, kept + list(axes)).reshape(-1, n)

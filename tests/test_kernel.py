@@ -1,0 +1,101 @@
+"""Accuracy against the exact oracle and bitwise identity across every mode."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import datasets
+import numpy_mirror
+from modes import MODES, bits, run
+from tf_stable_moments._oracle import exact_moments, exact_value
+
+DATA = datasets.all_datasets()
+F32_EPS = 2.0**-24
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(name):
+    x, axes, _ = DATA[name]
+    rows = datasets.slices(x, axes)
+    out = [exact_moments(r, np.float32) for r in rows]
+    shape = [x.shape[a] for a in range(x.ndim) if a not in axes]
+    mean = np.array([m for m, _ in out], np.float32).reshape(shape)
+    var = np.array([v for _, v in out], np.float32).reshape(shape)
+    return mean, var
+
+
+@functools.lru_cache(maxsize=None)
+def mirror(name):
+    x, axes, _ = DATA[name]
+    return numpy_mirror.moments(x, axes)
+
+
+@functools.lru_cache(maxsize=None)
+def result(name, mode):
+    x, axes, _ = DATA[name]
+    return run(mode, x, axes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(DATA))
+def test_variance_correctly_rounded(name, mode):
+    _, var = result(name, mode)
+    _, exact = oracle(name)
+    wrong = np.flatnonzero(bits(var).ravel() != bits(exact).ravel())
+    assert wrong.size == 0, f"{wrong.size} slices not correctly rounded, e.g. {var.ravel()[wrong[:3]]} vs {exact.ravel()[wrong[:3]]}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(DATA))
+def test_mean_accurate(name, mode):
+    x, axes, cancels = DATA[name]
+    mean, _ = result(name, mode)
+    if not cancels:
+        exact_mean, _ = oracle(name)
+        ulps = np.abs(mean.astype(np.float64) - exact_mean) / np.spacing(np.abs(exact_mean))
+        assert np.all(ulps <= 1.0), f"mean off by {ulps.max()} ulp"
+    else:  # the mean is a cancellation: hold it to 2**-40 of the largest magnitude
+        rows = datasets.slices(x, axes)
+        exact = np.array([float(exact_value(r, np.float32)[0]) for r in rows])
+        scale = np.max(np.abs(rows.astype(np.float64)), axis=1)
+        assert np.all(np.abs(mean.ravel() - exact) <= 2.0**-40 * scale + np.abs(exact) * F32_EPS)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(DATA))
+def test_bitwise_equal_to_numpy_mirror(name, mode):
+    mean, var = result(name, mode)
+    mirror_mean, mirror_var = mirror(name)
+    np.testing.assert_array_equal(bits(var), bits(mirror_var))
+    np.testing.assert_array_equal(bits(mean), bits(mirror_mean))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", [1e10, 7.5e10, 1e15, 1e38, -3.4e38, 1e-30], ids=str)
+def test_identical_values_give_exactly_zero(value, mode):
+    x = datasets.identical(value)
+    mean, var = run(mode, x, (0,))
+    assert bits(var) == bits(np.float32(0.0))
+    assert mean == np.float32(value)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_design_note_complex_check(mode):
+    z = np.array([1 + 1j, 2 + 3j, -1 + 0.5j, 4 - 2j], np.complex64)
+    mean, var = run(mode, z, (0,))
+    assert var == np.float32(6.421875) and var.dtype == np.float32
+    assert mean == np.complex64(1.5 + 0.625j)
+
+
+def test_variance_ulp_error_is_at_most_half_on_design_note_data():
+    """The acceptance figure: max ulp error of the variance on D1-D4, default mode."""
+    from tf_stable_moments._oracle import ulp_error
+
+    worst = 0.0
+    for name in ("D1", "D2", "D3", "D4"):
+        x, axes, _ = DATA[name]
+        _, var = result(name, "tf_eager")
+        for row, v in zip(datasets.slices(x, axes), var.ravel()):
+            worst = max(worst, ulp_error(v, exact_value(row, np.float32)[1], np.float32))
+    assert worst <= 0.5
