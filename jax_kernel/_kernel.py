@@ -259,9 +259,9 @@ def slice_moments(parts_x, axis, ddof):
     all_finite = None
     out_means = []
     for (mh, ml), (_, nonfinite) in zip(means, classified):
-        finite = jnp.isfinite(nonfinite)
+        finite = jnp.isfinite(nonfinite) & (n > 0)
         all_finite = finite if all_finite is None else all_finite & finite
-        special = jnp.where(jnp.isnan(nonfinite), nan, nonfinite)
+        special = jnp.where(jnp.isnan(nonfinite) | (n == 0), nan, nonfinite)
         mh = jnp.where(finite, jnp.where(mh == 0, zero, mh), special)
         out_means.append((mh, jnp.where(finite, ml, zero)))
     var = jnp.where(all_finite & (n - ddof > 0), var, nan)

@@ -160,9 +160,9 @@ def slice_moments(parts_x, ddof=0):
         means, var = m.finish(parts, e, n, ddof)
     out, all_finite = [], np.ones(kept, bool)
     for (mh, ml), nf in zip(means, nonfinites):
-        finite = np.isfinite(nf)
+        finite = np.isfinite(nf) & (n > 0)
         all_finite &= finite
-        special = np.where(np.isnan(nf), nan, nf)
+        special = np.where(np.isnan(nf) | (n == 0), nan, nf)
         out.append((np.where(finite, np.where(mh == 0, m.f(0), mh), special), np.where(finite, ml, m.f(0))))
     return out, np.where(all_finite & (n - ddof > 0), var, nan).astype(m.f)
 

@@ -317,9 +317,9 @@ def slice_moments(parts_x, axis, ddof):
     all_finite = None
     out_means = []
     for (mh, ml), (_, nonfinite) in zip(means, classified):
-        finite = tf.math.is_finite(nonfinite)
+        finite = tf.math.is_finite(nonfinite) & (n > 0)  # n is 0 only when dynamic
         all_finite = finite if all_finite is None else all_finite & finite
-        special = tf.where(tf.math.is_nan(nonfinite), nan, nonfinite)
+        special = tf.where(tf.math.is_nan(nonfinite) | (n == 0), nan, nonfinite)
         mh = tf.where(finite, tf.where(mh == 0, zero, mh), special)
         out_means.append((mh, tf.where(finite, ml, zero)))
     var = tf.where(all_finite & (n - ddof > 0), var, nan)

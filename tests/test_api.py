@@ -1,0 +1,168 @@
+"""The public API: drop-in shapes and dtypes, the dtype policy, bad input, special values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jax_kernel
+import numpy_mirror
+import tf_stable_moments
+from modes import MODES, bits, run
+
+SHAPE_CASES = [
+    ((6,), [0], False),
+    ((6,), [0], True),
+    ((4, 5), [0], False),
+    ((4, 5), [1], True),
+    ((4, 5), [0, 1], False),
+    ((2, 3, 4, 5), [0, 1, 2], False),
+    ((2, 3, 4, 5), [0, 1, 2], True),
+    ((2, 3, 4, 5), [1, 3], True),
+    ((2, 3, 4), [-1], False),
+    ((2, 3, 4), [], False),
+]
+
+
+@pytest.mark.parametrize(
+    "shape,axes,keepdims", SHAPE_CASES, ids=lambda v: str(v).replace(" ", "")
+)
+def test_output_shapes_and_dtypes_match_tf_nn_moments(shape, axes, keepdims):
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    ref = tf.nn.moments(tf.constant(x), axes, keepdims=keepdims)
+    got = tf_stable_moments.moments(tf.constant(x), axes, keepdims=keepdims)
+    got_jax = jax_kernel.moments(x, tuple(axes), keepdims=keepdims)
+    for g, gj, r in zip(got, got_jax, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert gj.shape == tuple(r.shape) and gj.dtype == np.float32
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_is_computed_in_float32_and_cast_back(dtype):
+    x32 = np.random.default_rng(1).normal(100.0, 0.5, (64, 3)).astype(np.float32)
+    x = tf.cast(tf.constant(x32), dtype)
+    mean, var = tf_stable_moments.moments(x, [0])
+    assert mean.dtype == dtype and var.dtype == dtype
+    m32, v32 = tf_stable_moments.moments(tf.cast(x, tf.float32), [0])
+    np.testing.assert_array_equal(bits(var.numpy()), bits(tf.cast(v32, dtype).numpy()))
+    np.testing.assert_array_equal(bits(mean.numpy()), bits(tf.cast(m32, dtype).numpy()))
+    jmean, jvar = jax_kernel.moments(jnp.asarray(x32).astype(dtype), 0)
+    assert jvar.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(bits(np.asarray(jvar)), bits(var.numpy()))
+
+
+def test_float64_is_correctly_rounded_and_matches_the_mirror():
+    from tf_stable_moments._oracle import exact_moments
+
+    x = np.random.default_rng(2).normal(1e12, 1e-2, (500, 4))
+    mean, var = tf_stable_moments.moments(tf.constant(x), [0])
+    exact = np.array([exact_moments(x[:, j], np.float64)[1] for j in range(4)])
+    np.testing.assert_array_equal(bits(var.numpy()), bits(exact))
+    _, mirror_var = numpy_mirror.moments(x, (0,))
+    np.testing.assert_array_equal(bits(var.numpy()), bits(mirror_var))
+    assert float(tf_stable_moments.moments(tf.constant([1e300] * 3, tf.float64), [0])[1]) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.bool, tf.string, tf.uint8])
+def test_non_float_dtypes_raise_type_error_naming_the_dtype(dtype):
+    x = tf.zeros([3], dtype)
+    with pytest.raises(TypeError, match=rf"got dtype {dtype.name}"):
+        tf_stable_moments.moments(x, [0])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_jax_non_float_dtypes_raise_type_error_naming_the_dtype(dtype):
+    with pytest.raises(TypeError, match=rf"got dtype {np.dtype(dtype).name}"):
+        jax_kernel.moments(np.zeros(3, dtype), 0)
+
+
+@pytest.mark.parametrize("impl", ["tf", "jax"])
+@pytest.mark.parametrize(
+    "axes,pattern",
+    [([2], r"axis 2 is out of range for an input of rank 2"), ([-3], r"axis -3 is out of range"),
+     ([0, 0], r"repeated axis; got axes=\(0, 0\)"), ([1, -1], r"repeated axis; got axes=\(1, -1\)")],
+)
+def test_bad_axes_raise_value_error_naming_them(impl, axes, pattern):
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match=pattern):
+        if impl == "tf":
+            tf_stable_moments.moments(x, axes)
+        else:
+            jax_kernel.moments(x, axes)
+
+
+@pytest.mark.parametrize("ddof", [-1, 1.5, True])
+def test_bad_ddof_raises_value_error(ddof):
+    with pytest.raises(ValueError, match=r"ddof must be a non-negative int; got ddof="):
+        tf_stable_moments.moments(np.zeros(3, np.float32), [0], ddof=ddof)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ddof_divides_by_n_minus_ddof_and_nan_when_not_positive(mode):
+    from tf_stable_moments._oracle import exact_moments
+
+    x = np.random.default_rng(3).normal(5e4, 2.0, (7, 3)).astype(np.float32)
+    _, var = run(mode, x, (0,), ddof=1)
+    exact = np.array([exact_moments(x[:, j], np.float32, ddof=1)[1] for j in range(3)])
+    np.testing.assert_array_equal(bits(var), bits(exact))
+    for ddof in (7, 9):
+        _, var = run(mode, x, (0,), ddof=ddof)
+        assert np.all(np.isnan(var))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_slices_give_nan(mode):
+    x = np.zeros((0, 4), np.float32)
+    mean, var = run(mode, x, (0,))
+    assert mean.shape == (4,) and np.all(np.isnan(mean)) and np.all(np.isnan(var))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_and_inf_stay_in_their_slice(mode):
+    rng = np.random.default_rng(4)
+    x = rng.normal(1e6, 1.0, (50, 6)).astype(np.float32)
+    clean_mean, clean_var = run(mode, x, (0,))
+    x[3, 1], x[7, 2], x[9, 3], x[11, 3], x[0, 4] = np.nan, np.inf, np.inf, -np.inf, -np.inf
+    mean, var = run(mode, x, (0,))
+    for j in (0, 5):  # untouched slices keep their bits
+        assert bits(var[j]) == bits(clean_var[j]) and bits(mean[j]) == bits(clean_mean[j])
+    assert np.all(np.isnan(var[1:5]))
+    assert np.isnan(mean[1]) and mean[2] == np.inf and np.isnan(mean[3]) and mean[4] == -np.inf
+
+
+def test_shift_is_accepted_and_ignored_like_tf_nn_moments():
+    x = tf.constant(np.random.default_rng(5).normal(1e5, 1, (40, 2)).astype(np.float32))
+    a = tf_stable_moments.moments(x, [0])
+    b = tf_stable_moments.moments(x, [0], shift=tf.constant(123.0), name="with_shift")
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(bits(u.numpy()), bits(v.numpy()))
+
+
+def test_unknown_shapes_do_not_retrace_per_batch_size():
+    traces = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8], tf.float32)])
+    def f(x):
+        traces.append(1)
+        return tf_stable_moments.moments(x, [0])
+
+    for n in (3, 17, 100, 1):
+        x = np.random.default_rng(n).normal(size=(n, 8)).astype(np.float32)
+        np.testing.assert_array_equal(bits(f(x)[1].numpy()), bits(numpy_mirror.moments(x, (0,))[1]))
+    assert len(traces) == 1
+
+
+def test_public_surface_is_thin():
+    assert set(tf_stable_moments.__all__) == {"moments", "StableBatchNormalization"}
+    assert jax_kernel.__all__ == ["moments"]
+
+
+def test_jax_vmap_matches_per_example_calls():
+    x = np.random.default_rng(6).normal(1e4, 1.0, (3, 20, 4)).astype(np.float32)
+    mean, var = jax.vmap(lambda v: jax_kernel.moments(v, 0))(x)
+    for i in range(3):
+        m, v = jax_kernel.moments(x[i], 0)
+        np.testing.assert_array_equal(bits(np.asarray(var[i])), bits(np.asarray(v)))
+        np.testing.assert_array_equal(bits(np.asarray(mean[i])), bits(np.asarray(m)))
