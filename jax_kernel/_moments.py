@@ -38,7 +38,9 @@ def _canonical_axes(axes, ndim):
     try:
         axes = tuple(operator.index(a) for a in axes)
     except TypeError:
-        raise TypeError(f"moments: axes must be an int or a sequence of ints; got {axes!r}") from None
+        raise TypeError(
+            f"moments: axes must be an int or a sequence of ints; got {axes!r}"
+        ) from None
     out = []
     for a in axes:
         if not -ndim <= a < ndim:

@@ -81,7 +81,9 @@ class Mirror:
             digit, r = divmod(r << c, n)
             digits.append(digit)
         a = self.add(f(digits[0]), self.mul(f(digits[1]), f(2.0**-c)))
-        b = self.add(self.mul(f(digits[2]), f(2.0 ** (-2 * c))), self.mul(f(digits[3]), f(2.0 ** (-3 * c))))
+        b = self.add(
+            self.mul(f(digits[2]), f(2.0 ** (-2 * c))), self.mul(f(digits[3]), f(2.0 ** (-3 * c)))
+        )
         h, l = self.two_sum(a, b)
         l = self.add(l, self.mul(f(digits[4]), f(2.0 ** (-4 * c))))
         return self.mul(h, f(2.0**-t)), self.mul(l, f(2.0**-t))
@@ -140,7 +142,9 @@ class Mirror:
         e1 = e >> 1
         u1, u2 = self.pow2(-e1), self.pow2(e1 - e)
         var = self.mul(self.mul(self.mul(self.mul(var, u1), u1), u2), u2)
-        means = [(self.mul(self.mul(mh, u1), u2), self.mul(self.mul(ml, u1), u2)) for mh, ml in means]
+        means = [
+            (self.mul(self.mul(mh, u1), u2), self.mul(self.mul(ml, u1), u2)) for mh, ml in means
+        ]
         return means, var
 
 
@@ -163,7 +167,9 @@ def slice_moments(parts_x, ddof=0):
         finite = np.isfinite(nf) & (n > 0)
         all_finite &= finite
         special = np.where(np.isnan(nf) | (n == 0), nan, nf)
-        out.append((np.where(finite, np.where(mh == 0, m.f(0), mh), special), np.where(finite, ml, m.f(0))))
+        out.append(
+            (np.where(finite, np.where(mh == 0, m.f(0), mh), special), np.where(finite, ml, m.f(0)))
+        )
     return out, np.where(all_finite & (n - ddof > 0), var, nan).astype(m.f)
 
 

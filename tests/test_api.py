@@ -3,13 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_mirror
 import pytest
 import tensorflow as tf
+from modes import MODES, bits, run
 
 import jax_kernel
-import numpy_mirror
 import tf_stable_moments
-from modes import MODES, bits, run
 
 SHAPE_CASES = [
     ((6,), [0], False),
@@ -25,9 +25,7 @@ SHAPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "shape,axes,keepdims", SHAPE_CASES, ids=lambda v: str(v).replace(" ", "")
-)
+@pytest.mark.parametrize("shape,axes,keepdims", SHAPE_CASES, ids=lambda v: str(v).replace(" ", ""))
 def test_output_shapes_and_dtypes_match_tf_nn_moments(shape, axes, keepdims):
     x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     ref = tf.nn.moments(tf.constant(x), axes, keepdims=keepdims)
@@ -81,8 +79,12 @@ def test_jax_non_float_dtypes_raise_type_error_naming_the_dtype(dtype):
 @pytest.mark.parametrize("impl", ["tf", "jax"])
 @pytest.mark.parametrize(
     "axes,pattern",
-    [([2], r"axis 2 is out of range for an input of rank 2"), ([-3], r"axis -3 is out of range"),
-     ([0, 0], r"repeated axis; got axes=\(0, 0\)"), ([1, -1], r"repeated axis; got axes=\(1, -1\)")],
+    [
+        ([2], r"axis 2 is out of range for an input of rank 2"),
+        ([-3], r"axis -3 is out of range"),
+        ([0, 0], r"repeated axis; got axes=\(0, 0\)"),
+        ([1, -1], r"repeated axis; got axes=\(1, -1\)"),
+    ],
 )
 def test_bad_axes_raise_value_error_naming_them(impl, axes, pattern):
     x = np.zeros((2, 3), np.float32)

@@ -42,7 +42,9 @@ def test_tf_gradient_matches_float64(offset, ddof):
     with tf.GradientTape() as tape:
         tape.watch(xt)
         mean, var = tf_stable_moments.moments(xt, [0], ddof=ddof)
-        loss = tf.reduce_sum(wm.astype(np.float32) * mean) + tf.reduce_sum(wv.astype(np.float32) * var)
+        loss = tf.reduce_sum(wm.astype(np.float32) * mean) + tf.reduce_sum(
+            wv.astype(np.float32) * var
+        )
     grad = tape.gradient(loss, xt).numpy()
     expected = float64_reference(x, wm, wv, ddof)
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
@@ -102,8 +104,12 @@ def test_jax_grad_jvp_and_hessian(offset):
         return jax_kernel.moments(v, 0)[1]
 
     grad = np.asarray(jax.grad(var)(jnp.asarray(x)))
-    np.testing.assert_allclose(grad, float64_reference(x[:, None], 0.0, 1.0)[:, 0], rtol=1e-5, atol=1e-6)
-    _, tangent = jax.jvp(lambda v: jax_kernel.moments(v, 0)[0], (jnp.asarray(x),), (jnp.ones(n, jnp.float32),))
+    np.testing.assert_allclose(
+        grad, float64_reference(x[:, None], 0.0, 1.0)[:, 0], rtol=1e-5, atol=1e-6
+    )
+    _, tangent = jax.jvp(
+        lambda v: jax_kernel.moments(v, 0)[0], (jnp.asarray(x),), (jnp.ones(n, jnp.float32),)
+    )
     assert float(tangent) == pytest.approx(1.0)
     hessian = np.asarray(jax.hessian(var)(jnp.asarray(x)))
     np.testing.assert_allclose(hessian, 2.0 / n * (np.eye(n) - 1.0 / n), rtol=1e-5, atol=1e-6)

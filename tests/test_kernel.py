@@ -2,19 +2,19 @@
 
 import functools
 
-import numpy as np
-import pytest
-
 import datasets
+import numpy as np
 import numpy_mirror
+import pytest
 from modes import MODES, bits, run
+
 from tf_stable_moments._oracle import exact_moments, exact_value
 
 DATA = datasets.all_datasets()
 F32_EPS = 2.0**-24
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def oracle(name):
     x, axes, _ = DATA[name]
     rows = datasets.slices(x, axes)
@@ -25,13 +25,13 @@ def oracle(name):
     return mean, var
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mirror(name):
     x, axes, _ = DATA[name]
     return numpy_mirror.moments(x, axes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def result(name, mode):
     x, axes, _ = DATA[name]
     return run(mode, x, axes)
@@ -43,7 +43,10 @@ def test_variance_correctly_rounded(name, mode):
     _, var = result(name, mode)
     _, exact = oracle(name)
     wrong = np.flatnonzero(bits(var).ravel() != bits(exact).ravel())
-    assert wrong.size == 0, f"{wrong.size} slices not correctly rounded, e.g. {var.ravel()[wrong[:3]]} vs {exact.ravel()[wrong[:3]]}"
+    assert wrong.size == 0, (
+        f"{wrong.size} slices not correctly rounded, e.g. "
+        f"{var.ravel()[wrong[:3]]} vs {exact.ravel()[wrong[:3]]}"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)

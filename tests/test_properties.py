@@ -6,10 +6,10 @@ import tensorflow as tf
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from modes import bits
 
 import jax_kernel
 import tf_stable_moments
-from modes import bits
 from tf_stable_moments._oracle import exact_moments
 
 SIZES = (1, 2, 3, 7, 64, 100)  # few sizes: XLA compiles once per shape

@@ -95,7 +95,10 @@ def pow2(k, fmt):
 def exponent(a, fmt):
     """floor(log2|a|) for normal a; -bias for zero; bias + 1 for inf and nan."""
     bits = tf.bitcast(a, fmt.int_dtype)
-    return tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, fmt.mantissa_bits), 2 * fmt.bias + 1) - fmt.bias
+    return (
+        tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, fmt.mantissa_bits), 2 * fmt.bias + 1)
+        - fmt.bias
+    )
 
 
 def _bit_length(n):

@@ -44,7 +44,9 @@ def _canonical_axes(axes, ndim):
     try:
         axes = tuple(int(a) for a in np.asarray(axes).ravel())
     except (TypeError, ValueError):
-        raise TypeError(f"moments: axes must be an int or a sequence of ints; got {axes!r}") from None
+        raise TypeError(
+            f"moments: axes must be an int or a sequence of ints; got {axes!r}"
+        ) from None
     out = []
     for a in axes:
         if not -ndim <= a < ndim:
@@ -131,10 +133,17 @@ def _slice_moments(parts, axis, ddof):
             out = _slice_moments_xla(axis, ddof, parts)
             _xla_state["ok"] = True
             return out
-        except (tf.errors.UnimplementedError, tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as err:
+        except (
+            tf.errors.UnimplementedError,
+            tf.errors.NotFoundError,
+            tf.errors.InvalidArgumentError,
+        ) as err:
             if _xla_state["ok"]:
                 raise
-            warnings.warn(f"tf_stable_moments: XLA unavailable ({err.__class__.__name__}); using plain ops")
+            warnings.warn(
+                f"tf_stable_moments: XLA unavailable ({err.__class__.__name__}); using plain ops",
+                stacklevel=3,
+            )
             _xla_state["ok"] = False
     if not tf.executing_eagerly():
         # Grappler's arithmetic optimizer rewrites trees of same-shape additions
