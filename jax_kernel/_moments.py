@@ -93,9 +93,9 @@ def stats(x, axes, ddof):
 
 def residuals(x, mean_hi, mean_lo, axes):
     """x - mean from the mean's two parts, differentiable as x - mean(x)."""
-    linear = jnp.mean(x, axis=axes, keepdims=True)
-    r = (x - lax.stop_gradient(mean_hi)) - lax.stop_gradient(mean_lo)
-    return r - (linear - lax.stop_gradient(linear))
+    # Zero in value (no overflow near the float maximum), mean(dx) in derivative.
+    linear = jnp.mean(x - lax.stop_gradient(x), axis=axes, keepdims=True)
+    return ((x - lax.stop_gradient(mean_hi)) - lax.stop_gradient(mean_lo)) - linear
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))

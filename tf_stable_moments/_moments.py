@@ -171,15 +171,16 @@ def stats(x, axes, ddof):
 
 def residuals(x, mean_hi, mean_lo, axes):
     """x - mean from the mean's two parts, differentiable as x - mean(x)."""
-    linear = tf.reduce_mean(x, axis=axes, keepdims=True)
-    r = (x - tf.stop_gradient(mean_hi)) - tf.stop_gradient(mean_lo)
-    return r - (linear - tf.stop_gradient(linear))
+    # Zero in value (no overflow near the float maximum), mean(dx) in derivative.
+    linear = tf.reduce_mean(x - tf.stop_gradient(x), axis=axes, keepdims=True)
+    return ((x - tf.stop_gradient(mean_hi)) - tf.stop_gradient(mean_lo)) - linear
 
 
 def _moments_real(x, axes, ddof):
     @tf.custom_gradient
     def fn(x):
-        mh, ml, var = stats(x, axes, ddof)
+        # The kernel is not differentiated (its gradient is analytic): no tape records it.
+        mh, ml, var = stats(tf.stop_gradient(x), axes, ddof)
 
         def grad(g_mean, g_var):
             keep = _out_shape(x, axes, True)

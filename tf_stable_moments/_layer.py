@@ -1,0 +1,345 @@
+"""StableBatchNormalization: keras.layers.BatchNormalization on the exact moments kernel.
+
+Why keras.layers.BatchNormalization breaks on offset data.  For data
+x = mu + sigma * z in float32 it computes mean and var with ordinary float32
+sums and then y = x * inv + (beta - mean * inv), inv = gamma / sqrt(var + eps).
+Both x * inv and mean * inv are of size mu / sigma and each is rounded to
+ulp(mu / sigma) / 2 = 2**-24 * mu / sigma: at mu / sigma = 1e6 every output
+carries an absolute error of about 0.03, before counting the errors of mean
+and var themselves (measured in tests/test_layer.py: > 1e-2 at 1e6, ~1 at 1e7).
+
+What this layer does instead, in training mode:
+  * (mean_hi, mean_lo, var) = kernel(x): mean_hi + mean_lo is the batch mean
+    to double precision and var is the correctly rounded variance
+    (tf_stable_moments on the TensorFlow backend, jax_kernel on the JAX
+    backend; both give the same bits).
+  * r = (x - mean_hi) - mean_lo.  x - mean_hi is exact whenever
+    mean_hi / 2 <= x <= 2 * mean_hi (Sterbenz), the usual case for offset data,
+    and otherwise has relative error 2**-24 of |x - mean_hi|; subtracting the
+    small mean_lo adds one rounding of a number of size |r|.  So r is
+    x - mean to about 2**-23 * |x - mean|: no error of size mu survives.
+  * y = r * (gamma * (1 / sqrt(var + eps))) + beta.  The per-channel factor
+    has a relative error of at most 3 * 2**-24; the product r * factor is of
+    size |y - beta|, so y is accurate to a few ulps of max(|y - beta|, |beta|).
+    If a compiler contracts r * factor + beta into an FMA, one rounding
+    disappears: bits may change, the accuracy does not.  The same holds for
+    every product below that feeds an addition: none of them cancels.
+  * 1 / sqrt is used rather than rsqrt: sqrt and division are correctly
+    rounded IEEE operations in TensorFlow and in XLA, whereas rsqrt is an
+    approximation that differs between TensorFlow's CPU kernel and XLA.  With
+    1 / sqrt, eager TensorFlow and eager JAX give bit-identical outputs.  (XLA
+    may rewrite 1 / sqrt into rsqrt inside a compiled function: a few ulps.)
+
+Inference mode uses the same form with the moving statistics:
+y = (x - moving_mean) * (gamma / sqrt(moving_variance + eps)) + beta, so an
+accurate moving mean gives an accurate output.
+
+Gradients.  The statistics are computed once per call and the gradient is
+attached analytically (tf.custom_gradient / jax.custom_jvp) to the outputs
+(r, var, mean) of one function of x.  With w the 0/1 selection weights
+(all ones without a mask) and k = sum(w) per channel:
+  d mean = sum(w dx) / k,  d r = dx - d mean,  d var = 2 sum(w r dx) / k,
+  so x_bar = r_bar + (w / k) * (mean_bar - sum(r_bar) + 2 var_bar r).
+No extra pass over x is made in the forward computation.  Higher orders are
+right too: the TensorFlow gradient uses r made differentiable as x - mean
+(r + t - sum(w t) / k with t = x - stop_gradient(x), which is 0), and the JAX
+rule takes its primal outputs from the custom function itself.
+
+Masks.  Keras normalises every element with the mean and variance of the
+selected elements (mask true).  A kernel over a data-dependent subset is not
+possible with static shapes, so the selected moments are recovered exactly
+from two kernel passes over full slices of n elements, k of them selected:
+  1. kernel(where(w, x, 0)) has mean S / n with S = sum of selected x, to
+     double precision; c = fl(mean * n / k) is within about 2 ulps of the
+     selected mean.
+  2. d = where(w, x - c, 0) (exact for offset data, by Sterbenz);
+     kernel(d) gives mean_d = (k / n) u and var_d, with u = selected mean - c,
+     tiny.  Then
+       selected mean = c + u,  with u = mean_d * n / k  (two_sum gives hi, lo),
+       selected var  = (n / k) var_d - (1 - k / n) u**2.
+     The subtracted term is of size ulp(mean)**2, so there is no cancellation
+     unless the selected data are constant at the scale of ulp(mean)
+     (clamped at 0).  A slice with nothing selected gets mean 0 and variance 0,
+     as in Keras.
+A masked call runs the kernel twice; an unmasked call once.
+
+Moving statistics.  moving_mean = moving_mean * momentum + mean * (1 - momentum)
+in float32 cannot represent a change smaller than ulp(moving_mean) / 2 (0.03125
+at 1e6): with momentum 0.99 a batch mean that differs from the moving mean by
+less than ~3 at 1e6 never moves it (measured in tests/test_layer.py).  The
+keyword-only option compensated_moving_stats=True keeps the moving mean as an
+unevaluated sum moving_mean + moving_mean_correction (Kahan-style):
+  delta = ((mean_hi - moving_mean) + mean_lo) - correction
+  (moving_mean, correction) = two_sum(moving_mean, correction + (1 - momentum) * delta)
+which tracks the exact recursion to double precision, and inference subtracts
+both parts.  The price is a fifth weight, "moving_mean_correction", appended
+after the four standard weights: with the option on, the weight list of a
+standard BatchNormalization no longer loads 1:1.  The option is off by default.
+"""
+
+import functools
+import math
+
+import keras
+from keras import ops
+
+from tf_stable_moments._kernel import two_sum
+
+_BACKENDS = ("tensorflow", "jax")
+
+
+def _expand(v, axes):
+    """A per-channel vector shaped to broadcast against the input."""
+    return ops.expand_dims(v, axes)
+
+
+def _counts(x, w, axes):
+    """(n, k): elements per slice and selected elements per slice (at least 1)."""
+    shape = ops.shape(x)
+    n = ops.cast(math.prod(shape[a] for a in axes), x.dtype)
+    if w is None:
+        return n, n
+    k = ops.cast(ops.sum(ops.cast(w, "int32"), axis=axes), x.dtype)
+    return n, ops.maximum(k, 1)
+
+
+def _centre(stats, x, w, axes):
+    """(r, var, mean_hi, mean_lo): r = x - mean over all elements, moments of the selected.
+
+    `stats` is the kernel of the backend; w is None (all selected) or a boolean
+    tensor shaped like x.  See the module docstring for the masked formulas.
+    """
+    if w is None:
+        mean_hi, mean_lo, var = stats(x, axes, 0)
+    else:
+        n, k = _counts(x, w, axes)
+        ratio = n / k
+        zero = ops.zeros_like(x)
+        sum_over_n, _, _ = stats(ops.where(w, x, zero), axes, 0)
+        c = sum_over_n * ratio
+        mean_d, _, var_d = stats(ops.where(w, x - _expand(c, axes), zero), axes, 0)
+        u = mean_d * ratio
+        var = ops.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
+        mean_hi, mean_lo = two_sum(c, u)
+    r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
+    return r, var, mean_hi, mean_lo
+
+
+def _differentiable_residual(r, x, w, axes):
+    """r with the derivative of x - mean: r + (t - sum(w t) / k), t = x - stop_gradient(x) = 0."""
+    _, k = _counts(x, w, axes)
+    t = x - ops.stop_gradient(x)
+    w_t = t if w is None else ops.where(w, t, ops.zeros_like(t))
+    return ops.stop_gradient(r) + (t - _expand(ops.sum(w_t, axis=axes) / k, axes))
+
+
+def _centre_vjp(x, w, axes, r, r_bar, var_bar, mean_bar):
+    """x_bar = r_bar + (w / k) * (mean_bar - sum(r_bar) + 2 var_bar r)."""
+    _, k = _counts(x, w, axes)
+    per_slice = _expand((mean_bar - ops.sum(r_bar, axis=axes)) / k, axes)
+    x_bar = per_slice + _expand(2 * var_bar / k, axes) * r
+    if w is not None:
+        x_bar = ops.where(w, x_bar, ops.zeros_like(x_bar))
+    return r_bar + x_bar
+
+
+def _centre_jvp(x, w, axes, r, dx):
+    """Tangents of (r, var, mean_hi, mean_lo); mean_lo, a rounding error, gets none."""
+    _, k = _counts(x, w, axes)
+    w_dx = dx if w is None else ops.where(w, dx, ops.zeros_like(dx))
+    d_mean = ops.sum(w_dx, axis=axes) / k
+    d_var = 2 * ops.sum(w_dx * r, axis=axes) / k
+    return dx - _expand(d_mean, axes), d_var, d_mean, ops.zeros_like(d_mean)
+
+
+@functools.cache
+def _backend_centre(name):
+    """The differentiable `_centre` of a Keras backend, on that backend's kernel."""
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        from tf_stable_moments import _moments
+
+        def centre(x, w, axes):
+            @tf.custom_gradient
+            def fn(x):
+                # stop_gradient: tapes must not record the kernel (they would trace its gradient).
+                out = _centre(_moments.stats, tf.stop_gradient(x), w, axes)
+
+                def grad(r_bar, var_bar, mean_bar, _):
+                    r = _differentiable_residual(out[0], x, w, axes)
+                    return _centre_vjp(x, w, axes, r, r_bar, var_bar, mean_bar)
+
+                return out, grad
+
+            return fn(x)
+
+        return centre
+
+    import jax
+
+    from jax_kernel import _moments
+
+    stats = jax.jit(_moments.stats, static_argnums=(1, 2))
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+    def centre(x, w, axes):
+        return _centre(stats, x, w, axes)
+
+    @centre.defjvp
+    def centre_jvp(axes, primals, tangents):
+        x, w = primals
+        out = centre(x, w, axes)
+        return out, _centre_jvp(x, w, axes, out[0], tangents[0])
+
+    return centre
+
+
+def _check_backend():
+    name = keras.backend.backend()
+    if name not in _BACKENDS:
+        raise NotImplementedError(
+            "StableBatchNormalization runs on the 'tensorflow' and 'jax' Keras backends "
+            f"(the backends of the moments kernel); the active Keras backend is '{name}'."
+        )
+    return name
+
+
+@keras.saving.register_keras_serializable(package="tf_stable_moments")
+class StableBatchNormalization(keras.layers.BatchNormalization):
+    """keras.layers.BatchNormalization with exact batch statistics: accurate on offset data.
+
+    A drop-in replacement: the same arguments, defaults, weights (gamma, beta,
+    moving_mean, moving_variance: names, shapes and order), masks, renorm,
+    trainable=False behaviour, mixed precision (statistics in float32, output
+    in the compute dtype) and configuration as keras.layers.BatchNormalization,
+    on the TensorFlow and JAX Keras backends (other backends raise
+    NotImplementedError).  What differs is the arithmetic, described in the
+    module docstring: the batch mean and variance come from the correctly
+    rounded moments kernel, and the input is centred with the mean's two
+    parts before scaling, so the output stays accurate to a few float32 ulps
+    of its own size for any offset (keras's own layer has an absolute error of
+    about 2**-24 * |mean| / std).
+
+    Migration:
+
+        import tf_stable_moments  # also registers the class for keras.models.load_model
+        bn = tf_stable_moments.StableBatchNormalization(momentum=0.9)  # same arguments as before
+        bn.set_weights(old_bn.get_weights())  # optional: keras BatchNormalization weights, 1:1
+
+    Args:
+        *args, **kwargs: those of keras.layers.BatchNormalization.
+        compensated_moving_stats: keyword only, default False.  Keep the moving
+            mean as moving_mean + moving_mean_correction so that updates below
+            ulp(moving_mean) / 2 are not lost (see the module docstring).  Adds
+            a fifth non-trainable weight, "moving_mean_correction", after the
+            standard four; not available with renorm=True.
+
+    Raises:
+        NotImplementedError: on a Keras backend other than TensorFlow or JAX,
+            and when called in training mode with synchronized=True across
+            more than one replica.
+        ValueError: the errors of keras.layers.BatchNormalization, and
+            compensated_moving_stats that is not a bool or is combined with
+            renorm=True.
+    """
+
+    def __init__(self, *args, compensated_moving_stats=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_backend()
+        if not isinstance(compensated_moving_stats, bool):
+            raise ValueError(
+                "compensated_moving_stats must be a bool; "
+                f"received: compensated_moving_stats={compensated_moving_stats!r}"
+            )
+        if compensated_moving_stats and self.renorm:
+            raise ValueError(
+                "compensated_moving_stats=True is not supported with renorm=True: "
+                "renorm keeps its own moving statistics"
+            )
+        self.compensated_moving_stats = compensated_moving_stats
+        self.moving_mean_correction = None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if self.compensated_moving_stats:
+            self.moving_mean_correction = self.add_weight(
+                shape=(input_shape[self.axis],),
+                name="moving_mean_correction",
+                initializer="zeros",
+                trainable=False,
+                autocast=False,
+            )
+
+    def call(self, inputs, training=None, mask=None):
+        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
+            raise ValueError(
+                "The mask provided should be one dimension less than the inputs. "
+                f"Received: mask.shape={mask.shape}, inputs.shape={inputs.shape}"
+            )
+        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), as in Keras.
+        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        inputs = ops.cast(inputs, compute_dtype)
+        axes = tuple(self._reduction_axes)
+        gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
+        beta = ops.cast(self.beta, compute_dtype) if self.center else None
+
+        if training and self.trainable:
+            residual, variance, mean_hi, mean_lo = self._batch_statistics(inputs, mask)
+            if self.renorm:
+                r, d, _, _ = self._renorm_correction_and_moments(mean_hi, variance)
+                gamma, beta = self._compose_transforms(r, d, gamma, beta, compute_dtype)
+                self._update_renorm_statistics(mean_hi, variance)
+            else:
+                self._update_moving_statistics(mean_hi, mean_lo, variance)
+        else:
+            residual = inputs - _expand(ops.cast(self.moving_mean, compute_dtype), axes)
+            if self.compensated_moving_stats:
+                correction = ops.cast(self.moving_mean_correction, compute_dtype)
+                residual = residual - _expand(correction, axes)
+            variance = ops.cast(self.moving_variance, compute_dtype)
+
+        factor = 1.0 / ops.sqrt(variance + self.epsilon)
+        if gamma is not None:
+            factor = gamma * factor
+        outputs = residual * _expand(factor, axes)
+        if beta is not None:
+            outputs = outputs + _expand(beta, axes)
+        return ops.cast(outputs, self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "compensated_moving_stats": self.compensated_moving_stats}
+
+    def _batch_statistics(self, inputs, mask):
+        """(residual, variance, mean_hi, mean_lo) of the batch, differentiable in inputs."""
+        backend = _check_backend()
+        if self.synchronized:
+            import tensorflow as tf
+
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            if replicas > 1:
+                raise NotImplementedError(
+                    f"StableBatchNormalization: synchronized=True across {replicas} replicas is "
+                    "not supported (exact cross-replica moments are not implemented); use "
+                    "synchronized=False or keras.layers.BatchNormalization"
+                )
+        weights = None
+        if mask is not None:
+            weights = ops.expand_dims(mask, axis=-1)
+            weights = ops.cast(ops.broadcast_to(weights, ops.shape(inputs)), "bool")
+        return _backend_centre(backend)(inputs, weights, tuple(self._reduction_axes))
+
+    def _update_moving_statistics(self, mean_hi, mean_lo, variance):
+        moving_mean = ops.cast(self.moving_mean, mean_hi.dtype)
+        moving_variance = ops.cast(self.moving_variance, variance.dtype)
+        self.moving_variance.assign(
+            moving_variance * self.momentum + variance * (1.0 - self.momentum)
+        )
+        if not self.compensated_moving_stats:
+            self.moving_mean.assign(moving_mean * self.momentum + mean_hi * (1.0 - self.momentum))
+            return
+        correction = ops.cast(self.moving_mean_correction, mean_hi.dtype)
+        delta = ((mean_hi - moving_mean) + mean_lo) - correction
+        moving_mean, correction = two_sum(moving_mean, correction + delta * (1.0 - self.momentum))
+        self.moving_mean.assign(moving_mean)
+        self.moving_mean_correction.assign(correction)
