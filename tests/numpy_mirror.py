@@ -119,25 +119,26 @@ class Mirror:
         threshold = self.pow2(np.maximum(-e, 0) + 1 - self.bias)
         xs = self.mul(np.where(np.abs(x) < threshold, self.f(0), x), self.pow2(e))
         k = xs[:, :1]
-        sy, _ = self.tree_sum(self.sub(xs, k), None)
-        c = self.add(k, self.two_prod(sy[:, None], self.reciprocal(n)[0])[0])
-        dh, dl = self.two_sum(xs, -c)
+        yh, yl = self.two_sum(xs, -k)
+        sy = self.two_sum(*self.tree_sum(yh, yl))
+        k = k[:, 0]
+        mean = self.df_add(k, np.zeros_like(k), *self.df_mul(*sy, *self.reciprocal(n)))
+        dh, dl = self.two_sum(xs, -mean[0][:, None])
         qh, ql = self.square(dh, dl)
-        return c[:, 0], self.tree_sum(dh, dl), self.tree_sum(qh, ql)
+        return mean, k, sy, self.two_sum(*self.tree_sum(qh, ql))
 
     def finish(self, parts, e, n, ddof):
-        rnh, rnl = self.reciprocal(n)
-        rdh, rdl = self.reciprocal(n - ddof)
+        rn, rd = self.reciprocal(n), self.reciprocal(n - ddof)
+        count = (self.f(n), self.f(n - int(self.f(n))))
         means, num = [], None
-        for c, (s1h, s1l), (s2h, s2l) in parts:
-            s1h, s1l = self.two_sum(s1h, s1l)
-            s2h, s2l = self.two_sum(s2h, s2l)
-            m1h, m1l = self.df_mul(s1h, s1l, rnh, rnl)
-            means.append(self.df_add(c, np.zeros_like(c), m1h, m1l))
-            ch, cl = self.df_mul(m1h, m1l, s1h, s1l)
-            term = self.df_add(s2h, s2l, -ch, -cl)
+        for (mh, ml), k, sy, s2 in parts:
+            shift = self.df_mul(*count, *self.two_sum(mh, -k))
+            s1 = self.df_add(*sy, -shift[0], -shift[1])
+            corr = self.df_mul(*self.df_mul(*s1, *rn), *s1)
+            term = self.df_add(*s2, -corr[0], -corr[1])
             num = term if num is None else self.df_add(*num, *term)
-        vh, _ = self.df_mul(*num, rdh, rdl)
+            means.append((mh, ml))
+        vh, _ = self.df_mul(*num, *rd)
         var = np.where(vh > 0, vh, self.f(0))
         e1 = e >> 1
         u1, u2 = self.pow2(-e1), self.pow2(e1 - e)

@@ -145,6 +145,15 @@ def reciprocal_pair(n, fmt):
     return h * scale, l * scale
 
 
+def count_pair(n, fmt):
+    """The integer n as a double-float pair (hi, lo), exact for n < 2**48."""
+    if isinstance(n, (int, np.integer)):
+        hi = fmt.float_dtype.as_numpy_dtype(n)
+        return tf.constant(hi, fmt.float_dtype), tf.constant(n - int(hi), fmt.float_dtype)
+    hi = tf.cast(n, fmt.float_dtype)
+    return hi, tf.cast(n - tf.cast(hi, n.dtype), fmt.float_dtype)
+
+
 # ---------------------------------------------------------------- section 5: the tree
 def _slice(v, lo, hi, axis):
     return v[lo:hi] if axis == 0 else v[:, lo:hi]
@@ -244,43 +253,47 @@ def square(dh, dl, fmt):
 
 
 def part_sums(x, e, n, axis, fmt):
-    """Steps 1-5 for one real part: the centre c and the pairs S1, S2."""
+    """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
     # Step 1: range.  Drop what the scaled value would flush, then scale exactly.
     threshold = pow2(tf.maximum(-e, 0) + 1 - fmt.bias, fmt)
     xs = tf.where(tf.abs(x) < threshold, tf.zeros_like(x), x) * pow2(e, fmt)
-    # Step 2: shift by the first element.
+    # Step 2: shift by the first element, kept exactly as pairs, summed by the tree.
     k = _slice(xs, 0, 1, axis)
-    sy, _ = tree_sum(xs - k, None, axis)
-    # Step 3: local centring.
-    c = k + two_prod(tf.expand_dims(sy, axis), reciprocal_pair(n, fmt)[0], fmt)[0]
+    yh, yl = two_sum(xs, -k)
+    sy = two_sum(*tree_sum(yh, yl, axis))
+    # Step 3: the mean to double precision; the centre c is the rounded mean.
+    k = tf.squeeze(k, axis)
+    mean = df_add(k, tf.zeros_like(k), *df_mul(*sy, *reciprocal_pair(n, fmt), fmt))
+    c = tf.expand_dims(mean[0], axis)
     # Step 4: exact residuals and their squares.
     dh, dl = two_sum(xs, -c)
     qh, ql = square(dh, dl, fmt)
-    # Step 5: the compensated trees.
-    s1 = tree_sum(dh, dl, axis)
-    s2 = tree_sum(qh, ql, axis)
-    return tf.squeeze(c, axis), s1, s2
+    # Step 5: the compensated tree of the squares.
+    s2 = two_sum(*tree_sum(qh, ql, axis))
+    return mean, k, sy, s2
 
 
 # ---------------------------------------------------------------- section 7: finish
 def finish(parts, e, n, ddof, fmt):
     """Two-term correction, division and the single rounding, per slice.
 
-    parts: a list of (c, (s1h, s1l), (s2h, s2l)) sharing the scale exponent e.
-    Returns the scaled-back (mean_hi, mean_lo) of each part and the variance.
+    parts: a list of (mean, k, sy, s2) pairs from part_sums, sharing the scale
+    exponent e.  Returns the scaled-back (mean_hi, mean_lo) of each part and the
+    variance.
     """
-    rnh, rnl = reciprocal_pair(n, fmt)
-    rdh, rdl = reciprocal_pair(n - ddof, fmt)
+    rn = reciprocal_pair(n, fmt)
+    rd = reciprocal_pair(n - ddof, fmt)
+    count = count_pair(n, fmt)
     means, num = [], None
-    for c, (s1h, s1l), (s2h, s2l) in parts:
-        s1h, s1l = two_sum(s1h, s1l)
-        s2h, s2l = two_sum(s2h, s2l)
-        m1h, m1l = df_mul(s1h, s1l, rnh, rnl, fmt)
-        means.append(df_add(c, tf.zeros_like(c), m1h, m1l))
-        ch, cl = df_mul(m1h, m1l, s1h, s1l, fmt)
-        term = df_add(s2h, s2l, -ch, -cl)
+    for (mh, ml), k, sy, s2 in parts:
+        # S1 = sum(xs - c) = sy - n (c - k), with c - k exact.
+        shift = df_mul(*count, *two_sum(mh, -k), fmt)
+        s1 = df_add(*sy, -shift[0], -shift[1])
+        corr = df_mul(*df_mul(*s1, *rn, fmt), *s1, fmt)
+        term = df_add(*s2, -corr[0], -corr[1])
         num = term if num is None else df_add(*num, *term)
-    vh, _ = df_mul(*num, rdh, rdl, fmt)
+        means.append((mh, ml))
+    vh, _ = df_mul(*num, *rd, fmt)
     var = tf.where(vh > 0, vh, tf.zeros_like(vh))
     e1 = tf.bitwise.right_shift(e, 1)
     u1, u2 = pow2(-e1, fmt), pow2(e1 - e, fmt)

@@ -146,10 +146,15 @@ def _slice_moments(parts, axis, ddof):
             )
             _xla_state["ok"] = False
     if not tf.executing_eagerly():
-        # Grappler's arithmetic optimizer rewrites trees of same-shape additions
-        # into AddN, which changes their rounding; it leaves tensors of unknown
-        # shape alone, so the plain graph path runs on shape-erased inputs.
-        parts = [tf.raw_ops.PlaceholderWithDefault(input=p, shape=[None, None]) for p in parts]
+        # Grappler (constant folding, then the arithmetic optimizer's AddN and
+        # common-factor rewrites) changes the rounding of a plain graph; run the
+        # same operations eagerly instead (a fallback: needs the Python runtime).
+        out = tf.py_function(
+            lambda *p: _slice_moments_plain(axis, ddof, *p),
+            parts,
+            Tout=[parts[0].dtype] * (2 * len(parts) + 1),
+        )
+        return tuple(tf.ensure_shape(o, [None]) for o in out)
     return _slice_moments_plain(axis, ddof, *parts)
 
 
