@@ -173,10 +173,12 @@ def tree_sum(h, l, axis):
 
 # ---------------------------------------------------------------- sections 3-4: one part
 def classify(x, axis):
-    """Step 0: the largest magnitude and the non-finite summary of each slice."""
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-    nonfinite = jnp.sum(jnp.where(jnp.isfinite(x), jnp.zeros_like(x), x), axis=axis)
-    return amax, nonfinite
+    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude."""
+    hi = jnp.max(x, axis=axis, keepdims=True)
+    lo = jnp.min(x, axis=axis, keepdims=True)
+    nan = jnp.max(jnp.where(jnp.isnan(x), jnp.ones_like(x), jnp.zeros_like(x)), axis=axis)
+    amax = jnp.maximum(jnp.abs(hi), jnp.abs(lo))
+    return amax, (jnp.squeeze(hi, axis), jnp.squeeze(lo, axis), nan)
 
 
 def scale_exponent(amax, fmt):
@@ -266,12 +268,13 @@ def slice_moments(parts_x, axis, ddof):
     means, var = finish(parts, jnp.squeeze(e, axis), n, ddof, fmt)
     # Section 8: special values, each slice on its own.
     zero = jnp.zeros_like(nan)
-    all_finite = None
+    all_finite = n > 0
     out_means = []
-    for (mh, ml), (_, nonfinite) in zip(means, classified):
-        finite = jnp.isfinite(nonfinite) & (n > 0)
-        all_finite = finite if all_finite is None else all_finite & finite
-        special = jnp.where(jnp.isnan(nonfinite) | (n == 0), nan, nonfinite)
+    for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
+        pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0
+        finite = ~(has_nan | pos | neg) & (n > 0)
+        all_finite = all_finite & finite
+        special = jnp.where(has_nan | (pos & neg) | (n == 0), nan, jnp.where(pos, np.inf, -np.inf))
         mh = jnp.where(finite, jnp.where(mh == 0, zero, mh), special)
         out_means.append((mh, jnp.where(finite, ml, zero)))
     var = jnp.where(all_finite & (n - ddof > 0), var, nan)

@@ -157,20 +157,22 @@ def slice_moments(parts_x, ddof=0):
     nan = np.full(kept, np.nan, m.f)
     if n == 0:
         return [(nan, np.zeros_like(nan)) for _ in parts_x], nan
-    amax = np.max([np.max(np.abs(p), axis=1) for p in parts_x], axis=0)
-    nonfinites = [np.sum(np.where(np.isfinite(p), m.f(0), p), axis=1) for p in parts_x]
+    his = [np.max(p, axis=1) for p in parts_x]
+    los = [np.min(p, axis=1) for p in parts_x]
+    nans = [np.any(np.isnan(p), axis=1) for p in parts_x]
+    amax = np.max([np.maximum(np.abs(h), np.abs(l)) for h, l in zip(his, los)], axis=0)
     e = np.clip(1 - m.exponent(amax), 1 - m.bias, m.bias).astype(m.i)
     with np.errstate(all="ignore"):
         parts = [m.part_sums(p, e[:, None], n) for p in parts_x]
         means, var = m.finish(parts, e, n, ddof)
     out, all_finite = [], np.ones(kept, bool)
-    for (mh, ml), nf in zip(means, nonfinites):
-        finite = np.isfinite(nf) & (n > 0)
+    for (mh, ml), hi, lo, has_nan in zip(means, his, los, nans):
+        pos, neg = hi == np.inf, lo == -np.inf
+        finite = ~(has_nan | pos | neg)
         all_finite &= finite
-        special = np.where(np.isnan(nf) | (n == 0), nan, nf)
-        out.append(
-            (np.where(finite, np.where(mh == 0, m.f(0), mh), special), np.where(finite, ml, m.f(0)))
-        )
+        special = np.where(has_nan | (pos & neg), nan, np.where(pos, np.inf, -np.inf))
+        mh = np.where(finite, np.where(mh == 0, m.f(0), mh), special)
+        out.append((mh.astype(m.f), np.where(finite, ml, m.f(0))))
     return out, np.where(all_finite & (n - ddof > 0), var, nan).astype(m.f)
 
 

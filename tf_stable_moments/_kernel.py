@@ -231,10 +231,12 @@ def _reduced(v, axis):
 
 # ---------------------------------------------------------------- sections 3-4: one part
 def classify(x, axis):
-    """Step 0: the largest magnitude and the non-finite summary of each slice."""
-    amax = tf.reduce_max(tf.abs(x), axis=axis, keepdims=True)
-    nonfinite = tf.reduce_sum(tf.where(tf.math.is_finite(x), tf.zeros_like(x), x), axis=axis)
-    return amax, nonfinite
+    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude."""
+    hi = tf.reduce_max(x, axis=axis, keepdims=True)
+    lo = tf.reduce_min(x, axis=axis, keepdims=True)
+    nan = tf.reduce_max(tf.where(tf.math.is_nan(x), tf.ones_like(x), tf.zeros_like(x)), axis=axis)
+    amax = tf.maximum(tf.abs(hi), tf.abs(lo))
+    return amax, (tf.squeeze(hi, axis), tf.squeeze(lo, axis), nan)
 
 
 def scale_exponent(amax, fmt):
@@ -330,12 +332,14 @@ def slice_moments(parts_x, axis, ddof):
     # Section 8: special values, each slice on its own.
     nan = tf.fill(tf.shape(var), tf.constant(np.nan, fmt.float_dtype))
     zero = tf.zeros_like(nan)
-    all_finite = None
+    all_finite = n > 0
     out_means = []
-    for (mh, ml), (_, nonfinite) in zip(means, classified):
-        finite = tf.math.is_finite(nonfinite) & (n > 0)  # n is 0 only when dynamic
-        all_finite = finite if all_finite is None else all_finite & finite
-        special = tf.where(tf.math.is_nan(nonfinite) | (n == 0), nan, nonfinite)
+    for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
+        pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0
+        finite = ~(has_nan | pos | neg) & (n > 0)  # n is 0 only when dynamic
+        all_finite = all_finite & finite
+        inf = tf.where(pos, tf.constant(np.inf, fmt.float_dtype), -np.inf)
+        special = tf.where(has_nan | (pos & neg) | (n == 0), nan, inf)
         mh = tf.where(finite, tf.where(mh == 0, zero, mh), special)
         out_means.append((mh, tf.where(finite, ml, zero)))
     var = tf.where(all_finite & (n - ddof > 0), var, nan)
