@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 # Tree levels evaluated per fold.  Any value gives the same bits (section 5).
-FOLD_LEVELS = 2
+FOLD_LEVELS = 5
 
 
 class Format(NamedTuple):

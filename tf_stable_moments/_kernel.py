@@ -20,9 +20,9 @@ import numpy as np
 import tensorflow as tf
 
 # Tree levels evaluated per fold.  Any value gives the same bits (section 5).
-FOLD_LEVELS = 2
-# Folds run when n is unknown while tracing: enough for 2**32 elements.
-DYNAMIC_FOLDS = 16
+FOLD_LEVELS = 5
+# Folds run when n is unknown while tracing: 35 levels, enough for 2**32 elements.
+DYNAMIC_FOLDS = 7
 
 
 class Format(NamedTuple):
