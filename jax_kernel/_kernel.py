@@ -16,9 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Tree levels evaluated per fold.  Any value gives the same bits (section 5).
-FOLD_LEVELS = 5
-
 
 class Format(NamedTuple):
     """Bit layout of a working float type (section 2)."""
@@ -123,28 +120,6 @@ def count_pair(n, fmt):
 
 
 # ---------------------------------------------------------------- section 5: the tree
-def _fold(h, l, levels, axis):
-    shape = h.shape
-    size = shape[axis]
-    rows = 1 << levels
-    folded = shape[:axis] + (rows, size // rows) + shape[axis + 1 :]
-    h = h.reshape(folded)
-    l = None if l is None else l.reshape(folded)
-    while rows > 1:
-        rows //= 2
-        h0 = lax.slice_in_dim(h, 0, rows, axis=axis)
-        h1 = lax.slice_in_dim(h, rows, 2 * rows, axis=axis)
-        if l is None:
-            h = h0 + h1
-        else:
-            h, e = two_sum(h0, h1)
-            l0 = lax.slice_in_dim(l, 0, rows, axis=axis)
-            l1 = lax.slice_in_dim(l, rows, 2 * rows, axis=axis)
-            l = (l0 + l1) + e
-    h = jnp.squeeze(h, axis)
-    return h, (None if l is None else jnp.squeeze(l, axis))
-
-
 def _pad_to_power_of_two(v, axis):
     n = v.shape[axis]
     size = 1 << max(n - 1, 0).bit_length()
@@ -155,30 +130,55 @@ def _pad_to_power_of_two(v, axis):
     return jnp.pad(v, pad)
 
 
+def _pair(a, b):
+    """One compensated tree node: the reducer of a level (section 5)."""
+    (h0, l0), (h1, l1) = a, b
+    s, e = two_sum(h0, h1)
+    return s, (l0 + l1) + e
+
+
 def tree_sum(h, l, axis):
     """Halving tree over `axis` (zero padded to 2**k): node i pairs with i + half.
 
-    With l None the tree is plain; otherwise every node is a TwoSum on the high
-    parts and the low parts and errors are added as (l_i + l_j) + e.
+    Every node is a TwoSum on the high parts; the low parts and errors are
+    added as (l_i + l_j) + e.  Each level is one variadic reduction over an axis
+    of length 2 (XLA computes it in one pass with both outputs); its result does
+    not depend on the reduction order: TwoSum is symmetric and combining with
+    the zero initial value is exact.
     """
     h = _pad_to_power_of_two(h, axis)
-    l = None if l is None else _pad_to_power_of_two(l, axis)
-    levels = h.shape[axis].bit_length() - 1
-    while levels > 0:
-        step = min(FOLD_LEVELS, levels)
-        h, l = _fold(h, l, step, axis)
-        levels -= step
-    return jnp.squeeze(h, axis), (None if l is None else jnp.squeeze(l, axis))
+    l = _pad_to_power_of_two(l, axis)
+    zero = np.zeros((), h.dtype)
+    size = h.shape[axis]
+    while size > 1:
+        size //= 2
+        shape = h.shape[:axis] + (2, size) + h.shape[axis + 1 :]
+        h, l = lax.reduce((h.reshape(shape), l.reshape(shape)), (zero, zero), _pair, (axis,))
+    return jnp.squeeze(h, axis), jnp.squeeze(l, axis)
 
 
 # ---------------------------------------------------------------- sections 3-4: one part
+def _extremes(a, b):
+    """Reducer of step 0: max, min and the NaN flag (order-free)."""
+    return jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1]), jnp.maximum(a[2], b[2])
+
+
 def classify(x, axis):
-    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude."""
-    hi = jnp.max(x, axis=axis, keepdims=True)
-    lo = jnp.min(x, axis=axis, keepdims=True)
-    nan = jnp.max(jnp.where(jnp.isnan(x), jnp.ones_like(x), jnp.zeros_like(x)), axis=axis)
-    amax = jnp.maximum(jnp.abs(hi), jnp.abs(lo))
-    return amax, (jnp.squeeze(hi, axis), jnp.squeeze(lo, axis), nan)
+    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude.
+
+    Along rows (axis 1), one variadic reduction computes the three in one pass;
+    along columns XLA's separate reductions are faster.  Same values.
+    """
+    flag = jnp.where(jnp.isnan(x), jnp.ones_like(x), jnp.zeros_like(x))
+    if axis == 1:
+        inf = np.array(np.inf, x.dtype)
+        init = (-inf, inf, np.zeros((), x.dtype))
+        hi, lo, nan = lax.reduce((x, x, flag), init, _extremes, (axis,))
+    else:
+        hi, lo = jnp.max(x, axis=axis), jnp.min(x, axis=axis)
+        nan = jnp.max(flag, axis=axis)
+    amax = jnp.expand_dims(jnp.maximum(jnp.abs(hi), jnp.abs(lo)), axis)
+    return amax, (hi, lo, nan)
 
 
 def scale_exponent(amax, fmt):

@@ -9,20 +9,23 @@ significant bits for float32, 26 for float64, or powers of two), so XLA's
 contraction of ``a*b + c`` into an FMA cannot change a bit (section 6).
 
 Unlike the JAX kernel, the slice length n may be unknown while tracing (a
-tf.function with None dimensions).  Then the tree runs a fixed number of folds
+tf.function with None dimensions).  Then the tree runs a fixed number of levels
 over zero-padded arrays and 1/n is computed by integer long division in the
-graph; both give the same bits as the static path (sections 5 and 7).
+graph; both give the same bits as the static path (sections 5 and 7).  Without
+XLA (no variadic reduction), tree levels are folds of slices: the same bits.
 """
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla as _xla
 
-# Tree levels evaluated per fold.  Any value gives the same bits (section 5).
+# Tree levels evaluated per fold of slices (plain ops).  Any value gives the same bits.
 FOLD_LEVELS = 5
-# Folds run when n is unknown while tracing: 35 levels, enough for 2**32 elements.
-DYNAMIC_FOLDS = 7
+# Levels run when n is unknown while tracing: enough for 2**35 elements.
+DYNAMIC_LEVELS = 35
 
 
 class Format(NamedTuple):
@@ -155,37 +158,73 @@ def count_pair(n, fmt):
 
 
 # ---------------------------------------------------------------- section 5: the tree
+def _pair(a, b):
+    """One compensated tree node: the reducer of a level (section 5)."""
+    (h0, l0), (h1, l1) = a, b
+    s, e = two_sum(h0, h1)
+    return s, (l0 + l1) + e
+
+
+@functools.cache
+def _pair_reducer(dtype):
+    spec = tf.TensorSpec([], dtype)
+    pair = tf.function(lambda h0, l0, h1, l1: _pair((h0, l0), (h1, l1)), autograph=False)
+    return pair.get_concrete_function(spec, spec, spec, spec)
+
+
 def _slice(v, lo, hi, axis):
     return v[lo:hi] if axis == 0 else v[:, lo:hi]
 
 
+def _dims(v):
+    return tf.unstack(tf.shape(v)) if None in v.shape else list(v.shape)
+
+
+def _split_axis(v, rows, size, axis):
+    """View `v` as [..., rows, size // rows, ...] at `axis`."""
+    dims = _dims(v)
+    folded = dims[:axis] + [rows, size // rows] + dims[axis + 1 :]
+    return tf.reshape(v, tf.stack(folded) if None in v.shape else folded)
+
+
+def _pad_at_least(v, rows, axis):
+    """Zero padding of a power-of-two length below `rows` up to `rows` (dynamic n)."""
+    size = tf.shape(v)[axis]
+    pad = [[0, 0], [0, 0]]
+    pad[axis] = [0, tf.maximum(rows - size, 0)]
+    return tf.pad(v, pad), tf.maximum(size, rows)
+
+
+def _level_reduce(h, l, axis):
+    """One level as a variadic reduction over an axis of length 2 (XLA only).
+
+    The result does not depend on the reduction order: TwoSum is symmetric and
+    combining with the zero initial value is exact.
+    """
+    size = h.shape[axis]
+    if size is None:
+        h, size = _pad_at_least(h, 2, axis)
+        l, _ = _pad_at_least(l, 2, axis)
+    h, l = _split_axis(h, 2, size, axis), _split_axis(l, 2, size, axis)
+    zero = tf.zeros([], h.dtype)
+    return _xla.variadic_reduce([h, l], [zero, zero], [axis], _pair_reducer(h.dtype))
+
+
 def _fold(h, l, levels, axis):
+    """`levels` levels as slices of one [..., 2**levels, size / 2**levels, ...] view."""
     rows = 1 << levels
     size = h.shape[axis]
-    if size is None:  # dynamic: pad to at least `rows`, a power of two
-        size = tf.shape(h)[axis]
-        pad = [[0, 0], [0, 0]]
-        pad[axis] = [0, tf.maximum(rows - size, 0)]
-        h = tf.pad(h, pad)
-        l = None if l is None else tf.pad(l, pad)
-        size = tf.maximum(size, rows)
-    shape = tf.unstack(tf.shape(h)) if None in h.shape else list(h.shape)
-    folded = shape[:axis] + [rows, size // rows] + shape[axis + 1 :]
-    h = tf.reshape(h, tf.stack(folded) if None in h.shape else folded)
-    l = None if l is None else tf.reshape(l, tf.stack(folded) if None in l.shape else folded)
+    if size is None:
+        h, size = _pad_at_least(h, rows, axis)
+        l, _ = _pad_at_least(l, rows, axis)
+    h, l = _split_axis(h, rows, size, axis), _split_axis(l, rows, size, axis)
     while rows > 1:
         rows //= 2
-        h0 = _slice(h, 0, rows, axis)
-        h1 = _slice(h, rows, 2 * rows, axis)
-        if l is None:
-            h = h0 + h1
-        else:
-            h, e = two_sum(h0, h1)
-            l0 = _slice(l, 0, rows, axis)
-            l1 = _slice(l, rows, 2 * rows, axis)
-            l = (l0 + l1) + e
-    h = tf.squeeze(h, axis)
-    return h, (None if l is None else tf.squeeze(l, axis))
+        h, l = _pair(
+            (_slice(h, 0, rows, axis), _slice(l, 0, rows, axis)),
+            (_slice(h, rows, 2 * rows, axis), _slice(l, rows, 2 * rows, axis)),
+        )
+    return tf.squeeze(h, axis), tf.squeeze(l, axis)
 
 
 def _pad_to_power_of_two(v, axis):
@@ -204,39 +243,62 @@ def _pad_to_power_of_two(v, axis):
     return tf.pad(v, pad)
 
 
-def tree_sum(h, l, axis):
+def tree_sum(h, l, axis, xla):
     """Halving tree over `axis` (zero padded to 2**k): node i pairs with i + half.
 
-    With l None the tree is plain; otherwise every node is a TwoSum on the high
-    parts and the low parts and errors are added as (l_i + l_j) + e.
+    Every node is a TwoSum on the high parts; the low parts and errors are
+    added as (l_i + l_j) + e.  Under XLA each level is a variadic reduction over
+    an axis of length 2 (one pass, both outputs), as in the JAX kernel; with
+    plain TensorFlow ops, folds of FOLD_LEVELS levels of slices.  Same bits.
+    When n is unknown while tracing, a fixed number of levels runs over zero
+    padding (exact: section 5).
     """
-    h = _pad_to_power_of_two(h, axis)
-    l = None if l is None else _pad_to_power_of_two(l, axis)
-    if h.shape[axis] is None:
-        for _ in range(DYNAMIC_FOLDS):
-            h, l = _fold(h, l, FOLD_LEVELS, axis)
-        return _reduced(h, axis), (None if l is None else _reduced(l, axis))
-    levels = h.shape[axis].bit_length() - 1
+    h, l = _pad_to_power_of_two(h, axis), _pad_to_power_of_two(l, axis)
+    size = h.shape[axis]
+    levels = DYNAMIC_LEVELS if size is None else size.bit_length() - 1
     while levels > 0:
-        step = min(FOLD_LEVELS, levels)
-        h, l = _fold(h, l, step, axis)
+        step = 1 if xla else min(FOLD_LEVELS, levels)
+        h, l = _level_reduce(h, l, axis) if xla else _fold(h, l, step, axis)
         levels -= step
-    return tf.squeeze(h, axis), (None if l is None else tf.squeeze(l, axis))
+    if size is None:
+        return _first(h, axis), _first(l, axis)
+    return tf.squeeze(h, axis), tf.squeeze(l, axis)
 
 
-def _reduced(v, axis):
-    """The single remaining element along `axis` after the dynamic folds."""
-    return _slice(v, 0, 1, axis)[0] if axis == 0 else _slice(v, 0, 1, axis)[:, 0]
+def _first(v, axis):
+    return v[0] if axis == 0 else v[:, 0]
 
 
 # ---------------------------------------------------------------- sections 3-4: one part
-def classify(x, axis):
-    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude."""
-    hi = tf.reduce_max(x, axis=axis, keepdims=True)
-    lo = tf.reduce_min(x, axis=axis, keepdims=True)
-    nan = tf.reduce_max(tf.where(tf.math.is_nan(x), tf.ones_like(x), tf.zeros_like(x)), axis=axis)
-    amax = tf.maximum(tf.abs(hi), tf.abs(lo))
-    return amax, (tf.squeeze(hi, axis), tf.squeeze(lo, axis), nan)
+def _extremes(a, b):
+    """Reducer of step 0: max, min and the NaN flag (order-free)."""
+    return tf.maximum(a[0], b[0]), tf.minimum(a[1], b[1]), tf.maximum(a[2], b[2])
+
+
+@functools.cache
+def _extremes_reducer(dtype):
+    spec = [tf.TensorSpec([], dtype)] * 6
+    fn = tf.function(lambda *v: _extremes(v[:3], v[3:]), autograph=False)
+    return fn.get_concrete_function(*spec)
+
+
+def classify(x, axis, xla):
+    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude.
+
+    Under XLA, along rows (axis 1), one variadic reduction computes the three in
+    one pass; along columns XLA's separate reductions are faster.  Same values.
+    """
+    flag = tf.where(tf.math.is_nan(x), tf.ones_like(x), tf.zeros_like(x))
+    if xla and axis == 1:
+        inf = tf.constant(np.inf, x.dtype)
+        hi, lo, nan = _xla.variadic_reduce(
+            [x, x, flag], [-inf, inf, tf.zeros([], x.dtype)], [axis], _extremes_reducer(x.dtype)
+        )
+    else:
+        hi, lo = tf.reduce_max(x, axis=axis), tf.reduce_min(x, axis=axis)
+        nan = tf.reduce_max(flag, axis=axis)
+    amax = tf.expand_dims(tf.maximum(tf.abs(hi), tf.abs(lo)), axis)
+    return amax, (hi, lo, nan)
 
 
 def scale_exponent(amax, fmt):
@@ -254,7 +316,7 @@ def square(dh, dl, fmt):
     return qh, ql
 
 
-def part_sums(x, e, n, axis, fmt):
+def part_sums(x, e, n, axis, fmt, xla):
     """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
     # Step 1: range.  Drop what the scaled value would flush, then scale exactly.
     threshold = pow2(tf.maximum(-e, 0) + 1 - fmt.bias, fmt)
@@ -262,7 +324,7 @@ def part_sums(x, e, n, axis, fmt):
     # Step 2: shift by the first element, kept exactly as pairs, summed by the tree.
     k = _slice(xs, 0, 1, axis)
     yh, yl = two_sum(xs, -k)
-    sy = two_sum(*tree_sum(yh, yl, axis))
+    sy = two_sum(*tree_sum(yh, yl, axis, xla))
     # Step 3: the mean to double precision; the centre c is the rounded mean.
     k = tf.squeeze(k, axis)
     mean = df_add(k, tf.zeros_like(k), *df_mul(*sy, *reciprocal_pair(n, fmt), fmt))
@@ -271,7 +333,7 @@ def part_sums(x, e, n, axis, fmt):
     dh, dl = two_sum(xs, -c)
     qh, ql = square(dh, dl, fmt)
     # Step 5: the compensated tree of the squares.
-    s2 = two_sum(*tree_sum(qh, ql, axis))
+    s2 = two_sum(*tree_sum(qh, ql, axis, xla))
     return mean, k, sy, s2
 
 
@@ -304,10 +366,11 @@ def finish(parts, e, n, ddof, fmt):
     return means, var
 
 
-def slice_moments(parts_x, axis, ddof):
+def slice_moments(parts_x, axis, ddof, xla=False):
     """Mean pairs and variance of the slices of 2-D tensors along `axis` (0 or 1).
 
     parts_x: one real tensor, or the real and imaginary parts of a complex one.
+    xla: True when the caller compiles with XLA (tree levels as XLA reductions).
     Returns ([(mean_hi, mean_lo) per part], var), each of the kept length.
     """
     fmt = FORMATS[parts_x[0].dtype]
@@ -322,12 +385,12 @@ def slice_moments(parts_x, axis, ddof):
         parts_x = [tf.pad(x, pad) for x in parts_x]
         parts_x = [tf.ensure_shape(x, [None, None]) for x in parts_x]
     # Step 0: classify; one scale for all parts.
-    classified = [classify(x, axis) for x in parts_x]
+    classified = [classify(x, axis, xla) for x in parts_x]
     amax = classified[0][0]
     for a, _ in classified[1:]:
         amax = tf.maximum(amax, a)
     e = scale_exponent(amax, fmt)
-    parts = [part_sums(x, e, n, axis, fmt) for x in parts_x]
+    parts = [part_sums(x, e, n, axis, fmt, xla) for x in parts_x]
     means, var = finish(parts, tf.squeeze(e, axis), n, ddof, fmt)
     # Section 8: special values, each slice on its own.
     nan = tf.fill(tf.shape(var), tf.constant(np.nan, fmt.float_dtype))

@@ -99,8 +99,8 @@ def _out_shape(x, axes, keepdims):
     return tf.stack(shape) if any(tf.is_tensor(d) for d in shape) else shape
 
 
-def _slice_moments_plain(axis, ddof, *parts):
-    means, var = _kernel.slice_moments(list(parts), axis, ddof)
+def _slice_moments_plain(axis, ddof, *parts, xla=False):
+    means, var = _kernel.slice_moments(list(parts), axis, ddof, xla)
     return tuple(m for pair in means for m in pair) + (var,)
 
 
@@ -112,7 +112,7 @@ def _slice_moments_xla(axis, ddof, parts):
     if key not in _compiled:
         spec = [tf.TensorSpec([None, None], parts[0].dtype)] * len(parts)
         _compiled[key] = tf.function(
-            lambda *p: _slice_moments_plain(axis, ddof, *p),
+            lambda *p: _slice_moments_plain(axis, ddof, *p, xla=True),
             input_signature=spec,
             jit_compile=True,
             reduce_retracing=True,
