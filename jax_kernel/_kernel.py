@@ -137,23 +137,35 @@ def _pair(a, b):
     return s, (l0 + l1) + e
 
 
+def _rows(v, lo, hi, axis):
+    return lax.slice_in_dim(v, lo, hi, axis=axis)
+
+
 def tree_sum(h, l, axis):
     """Halving tree over `axis` (zero padded to 2**k): node i pairs with i + half.
 
     Every node is a TwoSum on the high parts; the low parts and errors are
-    added as (l_i + l_j) + e.  Each level is one variadic reduction over an axis
-    of length 2 (XLA computes it in one pass with both outputs); its result does
-    not depend on the reduction order: TwoSum is symmetric and combining with
-    the zero initial value is exact.
+    added as (l_i + l_j) + e.  Each step evaluates two levels in one XLA
+    reduction with both outputs: on a [..., 4, size/4, ...] view, rows 0, 1 pair
+    with rows 2, 3 (slices, fused into the reduction), then the reduction over
+    the remaining axis of length 2.  Its result does not depend on the
+    reduction order: TwoSum is symmetric and combining with the zero initial
+    value is exact.
     """
     h = _pad_to_power_of_two(h, axis)
     l = _pad_to_power_of_two(l, axis)
     zero = np.zeros((), h.dtype)
     size = h.shape[axis]
     while size > 1:
-        size //= 2
-        shape = h.shape[:axis] + (2, size) + h.shape[axis + 1 :]
-        h, l = lax.reduce((h.reshape(shape), l.reshape(shape)), (zero, zero), _pair, (axis,))
+        rows = 4 if size >= 4 else 2
+        size //= rows
+        shape = h.shape[:axis] + (rows, size) + h.shape[axis + 1 :]
+        h, l = h.reshape(shape), l.reshape(shape)
+        if rows == 4:
+            low = (_rows(h, 0, 2, axis), _rows(l, 0, 2, axis))
+            high = (_rows(h, 2, 4, axis), _rows(l, 2, 4, axis))
+            h, l = _pair(low, high)
+        h, l = lax.reduce((h, l), (zero, zero), _pair, (axis,))
     return jnp.squeeze(h, axis), jnp.squeeze(l, axis)
 
 

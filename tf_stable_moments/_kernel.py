@@ -24,8 +24,8 @@ from tensorflow.compiler.tf2xla.python import xla as _xla
 
 # Tree levels evaluated per fold of slices (plain ops).  Any value gives the same bits.
 FOLD_LEVELS = 5
-# Levels run when n is unknown while tracing: enough for 2**35 elements.
-DYNAMIC_LEVELS = 35
+# Levels run when n is unknown while tracing: enough for 2**36 elements.
+DYNAMIC_LEVELS = 36
 
 
 class Format(NamedTuple):
@@ -195,19 +195,27 @@ def _pad_at_least(v, rows, axis):
     return tf.pad(v, pad), tf.maximum(size, rows)
 
 
-def _level_reduce(h, l, axis):
-    """One level as a variadic reduction over an axis of length 2 (XLA only).
+def _step_reduce(h, l, axis):
+    """Two levels (one if the length is 2) as one XLA reduction; returns the count.
 
-    The result does not depend on the reduction order: TwoSum is symmetric and
-    combining with the zero initial value is exact.
+    On a [..., 4, size/4, ...] view, rows 0, 1 pair with rows 2, 3 (slices,
+    fused into the reduction), then the reduction over the remaining axis of
+    length 2.  Its result does not depend on the reduction order: TwoSum is
+    symmetric and combining with the zero initial value is exact.
     """
-    size = h.shape[axis]
+    size = rows = h.shape[axis]
     if size is None:
-        h, size = _pad_at_least(h, 2, axis)
-        l, _ = _pad_at_least(l, 2, axis)
-    h, l = _split_axis(h, 2, size, axis), _split_axis(l, 2, size, axis)
+        h, size = _pad_at_least(h, 4, axis)
+        l, _ = _pad_at_least(l, 4, axis)
+    rows = 2 if rows == 2 else 4
+    h, l = _split_axis(h, rows, size, axis), _split_axis(l, rows, size, axis)
+    if rows == 4:
+        low = (_slice(h, 0, 2, axis), _slice(l, 0, 2, axis))
+        high = (_slice(h, 2, 4, axis), _slice(l, 2, 4, axis))
+        h, l = _pair(low, high)
     zero = tf.zeros([], h.dtype)
-    return _xla.variadic_reduce([h, l], [zero, zero], [axis], _pair_reducer(h.dtype))
+    h, l = _xla.variadic_reduce([h, l], [zero, zero], [axis], _pair_reducer(h.dtype))
+    return h, l, rows.bit_length() - 1
 
 
 def _fold(h, l, levels, axis):
@@ -247,9 +255,10 @@ def tree_sum(h, l, axis, xla):
     """Halving tree over `axis` (zero padded to 2**k): node i pairs with i + half.
 
     Every node is a TwoSum on the high parts; the low parts and errors are
-    added as (l_i + l_j) + e.  Under XLA each level is a variadic reduction over
-    an axis of length 2 (one pass, both outputs), as in the JAX kernel; with
-    plain TensorFlow ops, folds of FOLD_LEVELS levels of slices.  Same bits.
+    added as (l_i + l_j) + e.  Under XLA, two levels per step: one variadic
+    reduction over an axis of length 2 fed by one level of slices (one pass,
+    both outputs), as in the JAX kernel; with plain TensorFlow ops, folds of
+    FOLD_LEVELS levels of slices.  Same bits.
     When n is unknown while tracing, a fixed number of levels runs over zero
     padding (exact: section 5).
     """
@@ -257,8 +266,11 @@ def tree_sum(h, l, axis, xla):
     size = h.shape[axis]
     levels = DYNAMIC_LEVELS if size is None else size.bit_length() - 1
     while levels > 0:
-        step = 1 if xla else min(FOLD_LEVELS, levels)
-        h, l = _level_reduce(h, l, axis) if xla else _fold(h, l, step, axis)
+        if xla:
+            h, l, step = _step_reduce(h, l, axis)
+        else:
+            step = min(FOLD_LEVELS, levels)
+            h, l = _fold(h, l, step, axis)
         levels -= step
     if size is None:
         return _first(h, axis), _first(l, axis)
