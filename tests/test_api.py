@@ -1,5 +1,9 @@
 """The public API: drop-in shapes and dtypes, the dtype policy, bad input, special values."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +172,22 @@ def test_jax_vmap_matches_per_example_calls():
         m, v = jax_kernel.moments(x[i], 0)
         np.testing.assert_array_equal(bits(np.asarray(var[i])), bits(np.asarray(v)))
         np.testing.assert_array_equal(bits(np.asarray(mean[i])), bits(np.asarray(m)))
+
+
+def test_jax_float64_with_x64_matches_tensorflow_bitwise(tmp_path):
+    """float64 in JAX needs jax_enable_x64, so it runs in its own process."""
+    x = np.random.default_rng(8).normal(3e9, 1e-3, (257, 3))
+    np.save(tmp_path / "x.npy", x)
+    code = (
+        "import jax, numpy as np; jax.config.update('jax_enable_x64', True); import jax_kernel;"
+        f"x = np.load({str(tmp_path / 'x.npy')!r});"
+        "m, v = jax_kernel.moments(x, 0);"
+        f"np.save({str(tmp_path / 'out.npy')!r}, np.stack([np.asarray(m), np.asarray(v)]))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+    jax_mean, jax_var = np.load(tmp_path / "out.npy")
+    mean, var = tf_stable_moments.moments(tf.constant(x), [0])
+    assert jax_var.dtype == np.float64
+    np.testing.assert_array_equal(bits(jax_var), bits(var.numpy()))
+    np.testing.assert_array_equal(bits(jax_mean), bits(mean.numpy()))
