@@ -89,20 +89,16 @@ class Mirror:
         return self.mul(h, f(2.0**-t)), self.mul(l, f(2.0**-t))
 
     def tree_sum(self, h, l):
-        """Halving tree over the last axis, zero padded to a power of two."""
+        """Compensated halving tree over the last axis, zero padded to a power of two."""
         n = h.shape[-1]
         size = 1 << max(n - 1, 0).bit_length()
         pad = [(0, 0)] * (h.ndim - 1) + [(0, size - n)]
-        h = np.pad(h, pad)
-        l = None if l is None else np.pad(l, pad)
+        h, l = np.pad(h, pad), np.pad(l, pad)
         while h.shape[-1] > 1:
             half = h.shape[-1] // 2
-            if l is None:
-                h = self.add(h[..., :half], h[..., half:])
-            else:
-                h, e = self.two_sum(h[..., :half], h[..., half:])
-                l = self.add(self.add(l[..., :half], l[..., half:]), e)
-        return h[..., 0], (None if l is None else l[..., 0])
+            h, e = self.two_sum(h[..., :half], h[..., half:])
+            l = self.add(self.add(l[..., :half], l[..., half:]), e)
+        return h[..., 0], l[..., 0]
 
     def square(self, dh, dl):
         ah, al = self.split(dh)
