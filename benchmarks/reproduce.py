@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 jax_kernel = importlib.import_module("jax_kernel")
 oracle = importlib.import_module("tf_stable_moments._oracle")
+design_note_datasets = importlib.import_module("tf_stable_moments._report").design_note_datasets
 try:
     tf_stable_moments = importlib.import_module("tf_stable_moments").moments
 except (ImportError, AttributeError) as error:  # the TensorFlow package may not exist yet
@@ -287,13 +288,7 @@ def ablation_implementations(table_impls):
 
 
 # ---------------------------------------------------------------- data and the oracle
-DATASETS = (  # name, shape, axis, loc, scale: the note's Section 3, drawn in this order
-    ("D1", (1000, 64), 0, 1000.0, 0.01),
-    ("D2", (64, 1000), 1, 1e4, 1.0),
-    ("D3", (1000, 64), 0, 0.0, 1.0),
-    ("D4", (1000, 64), 0, 1e6, 1.0),
-)
-
+DATASET_NAMES = ("D1", "D2", "D3", "D4")
 QUICK_SIZE = (128, 16)  # --quick: the first 128 samples of the first 16 slices of D1-D4
 
 IDENTICAL = (
@@ -306,19 +301,17 @@ IDENTICAL = (
 
 
 def make_datasets(quick):
-    """D1-D4 exactly as the note draws them: one generator, seed 0, in this order.
+    """D1-D4 exactly as the note draws them (the main job's generator, seed 0, in order).
 
     With quick, only the first QUICK_SIZE samples and slices of each (fewer tree levels
     and smaller programs to compile).
     """
-    rng = np.random.default_rng(0)
     datasets = {}
-    for name, shape, axis, loc, scale in DATASETS:
-        x = rng.normal(loc, scale, shape).astype(np.float32)
+    for label, (x, (axis,)) in design_note_datasets().items():
         if quick:
             n, kept = QUICK_SIZE
             x = x[:n, :kept] if axis == 0 else x[:kept, :n]
-        datasets[name] = (x, axis)
+        datasets[label.split()[0]] = (x, axis)
     return datasets
 
 
@@ -413,7 +406,7 @@ def identical_values(impls, modes=None):
 def _at_most_equal(rows, key, mode):
     """Datasets on which `key` has a max relative error <= that of the reference formula."""
     err = {(r["impl"], r["dataset"]): r["max_rel_err"] for r in rows if r["mode"] == mode}
-    return sum(err[key, name] <= err["reference", name] for name, *_ in DATASETS)
+    return sum(err[key, name] <= err["reference", name] for name in DATASET_NAMES)
 
 
 def time_variants(impls, shape, rounds):

@@ -280,7 +280,7 @@ def slice_moments(parts_x, axis, ddof):
     means, var = finish(parts, jnp.squeeze(e, axis), n, ddof, fmt)
     # Section 8: special values, each slice on its own.
     zero = jnp.zeros_like(nan)
-    all_finite = n > 0
+    all_finite = True
     out_means = []
     for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
         pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0

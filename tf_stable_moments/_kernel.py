@@ -203,11 +203,11 @@ def _step_reduce(h, l, axis):
     length 2.  Its result does not depend on the reduction order: TwoSum is
     symmetric and combining with the zero initial value is exact.
     """
-    size = rows = h.shape[axis]
+    size = h.shape[axis]
+    rows = 2 if size == 2 else 4
     if size is None:
-        h, size = _pad_at_least(h, 4, axis)
-        l, _ = _pad_at_least(l, 4, axis)
-    rows = 2 if rows == 2 else 4
+        h, size = _pad_at_least(h, rows, axis)
+        l, _ = _pad_at_least(l, rows, axis)
     h, l = _split_axis(h, rows, size, axis), _split_axis(l, rows, size, axis)
     if rows == 4:
         low = (_slice(h, 0, 2, axis), _slice(l, 0, 2, axis))
@@ -407,7 +407,7 @@ def slice_moments(parts_x, axis, ddof, xla=False):
     # Section 8: special values, each slice on its own.
     nan = tf.fill(tf.shape(var), tf.constant(np.nan, fmt.float_dtype))
     zero = tf.zeros_like(nan)
-    all_finite = n > 0
+    all_finite = True
     out_means = []
     for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
         pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0

@@ -8,7 +8,6 @@ import tensorflow as tf
 
 from tf_stable_moments import _kernel
 
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
 _COMPUTE = {
     tf.float16: tf.float32,
     tf.bfloat16: tf.float32,
