@@ -110,7 +110,7 @@ def other_results(inputs):
         path = Path(tmp) / "model.keras"
         model.save(path)
         loaded = keras.models.load_model(path)
-    out["saved_class"] = np.array(type(loaded.layers[0]).__name__)
+    out["saved_class"] = np.array(type(loaded.layers[0]).__qualname__)
     out["saved_predict"] = _numpy(model(inputs["x"], training=False))
     out["saved_loaded_predict"] = _numpy(loaded(inputs["x"], training=False))
     return out

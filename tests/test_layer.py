@@ -643,18 +643,57 @@ def test_load_weights_from_legacy_h5_of_keras_model(tmp_path):
     _assert_same_weights(ours, theirs)
 
 
-def test_native_weights_file_of_keras_model_needs_a_reference_model(tmp_path):
-    """Keras 3 .weights.h5 files address layers by class name, so a file written with
-    BatchNormalization is read into the original architecture and transferred by order."""
-    theirs = _small_model(keras.layers.BatchNormalization, seed=17)
-    theirs.save_weights(tmp_path / "bn.weights.h5")
-    ours = _small_model(StableBatchNormalization)
-    with pytest.raises(ValueError, match="expected 4 variables, but received 0"):
-        ours.load_weights(tmp_path / "bn.weights.h5")
-    reference = _small_model(keras.layers.BatchNormalization)
-    reference.load_weights(tmp_path / "bn.weights.h5")
-    ours.set_weights(reference.get_weights())
-    _assert_same_weights(ours, theirs)
+def _mixed_model(classes, seed=None):
+    layers = [keras.Input((8,))]
+    for cls in classes:
+        layers += [keras.layers.Dense(8), cls()]
+    model = keras.Sequential(layers)
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        model.set_weights([rng.normal(size=w.shape).astype(np.float32) for w in model.weights])
+    return model
+
+
+KERAS_BN = keras.layers.BatchNormalization
+
+
+@pytest.mark.parametrize(
+    "writer, reader",
+    [
+        ((KERAS_BN, KERAS_BN, KERAS_BN), (StableBatchNormalization,) * 3),
+        ((KERAS_BN, KERAS_BN, KERAS_BN), (KERAS_BN, StableBatchNormalization, KERAS_BN)),
+        ((StableBatchNormalization,) * 3, (KERAS_BN, KERAS_BN, KERAS_BN)),
+    ],
+    ids=["keras_to_ours", "keras_to_partly_replaced", "ours_to_keras"],
+)
+def test_native_weights_file_loads_across_the_classes(tmp_path, writer, reader):
+    """Keras 3 .weights.h5 files address layers by snake-cased class name and count;
+    the layer carries keras's class name, so files load 1:1 in both directions."""
+    written = _mixed_model(writer, seed=17)
+    written.save_weights(tmp_path / "bn.weights.h5")
+    read = _mixed_model(reader)
+    read.load_weights(tmp_path / "bn.weights.h5")
+    _assert_same_weights(read, written)
+    assert [type(layer) for layer in read.layers[1::2]] == list(reader)
+
+
+def test_native_weights_file_of_keras_model_loads_with_compensation(tmp_path):
+    written = _mixed_model((KERAS_BN,), seed=18)
+    written.save_weights(tmp_path / "bn.weights.h5")
+    read = _mixed_model((lambda: StableBatchNormalization(compensated_moving_stats=True),))
+    read.layers[1].moving_mean_correction.assign(np.full(8, 0.25, np.float32))
+    read.load_weights(tmp_path / "bn.weights.h5")
+    *standard, correction = read.get_weights()
+    for x, y in zip(standard, written.get_weights(), strict=True):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(correction, np.zeros(8, np.float32))
+
+
+def test_class_identity_is_visible():
+    layer = StableBatchNormalization(name="bn")
+    assert repr(layer) == "<tf_stable_moments.StableBatchNormalization name=bn, built=False>"
+    assert StableBatchNormalization.__qualname__ == "StableBatchNormalization"
+    assert StableBatchNormalization.__name__ == "BatchNormalization"  # keras's weight-file key
 
 
 def test_exported_from_package():

@@ -226,6 +226,7 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
         import tf_stable_moments  # also registers the class for keras.models.load_model
         bn = tf_stable_moments.StableBatchNormalization(momentum=0.9)  # same arguments as before
         bn.set_weights(old_bn.get_weights())  # optional: keras BatchNormalization weights, 1:1
+        model.load_weights("old.weights.h5")  # weight files of the old model load as they are
 
     Args:
         *args, **kwargs: those of keras.layers.BatchNormalization.
@@ -310,6 +311,21 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     def get_config(self):
         return {**super().get_config(), "compensated_moving_stats": self.compensated_moving_stats}
 
+    def load_own_variables(self, store):
+        """Keras's loader; with compensated_moving_stats=True it also reads the entry of a
+        standard BatchNormalization (no correction weight) and starts the correction at 0."""
+        standard = [
+            variable
+            for variable in self._trainable_variables + self._non_trainable_variables
+            if variable is not self.moving_mean_correction
+        ]
+        if self.compensated_moving_stats and len(store.keys()) == len(standard):
+            for i, variable in enumerate(standard):
+                variable.assign(store[f"{i}"])
+            self.moving_mean_correction.assign(ops.zeros_like(self.moving_mean_correction))
+            return
+        super().load_own_variables(store)
+
     def _batch_statistics(self, inputs, mask):
         """(residual, variance, mean_hi, mean_lo) of the batch, differentiable in inputs."""
         backend = _check_backend()
@@ -343,3 +359,20 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
         moving_mean, correction = two_sum(moving_mean, correction + delta * (1.0 - self.momentum))
         self.moving_mean.assign(moving_mean)
         self.moving_mean_correction.assign(correction)
+
+    def __repr__(self):
+        return f"<tf_stable_moments.StableBatchNormalization name={self.name}, built={self.built}>"
+
+
+# Keras 3 weight files (.weights.h5 and the weights inside .keras) address each layer of
+# a model by its snake-cased class __name__ and a running count ("batch_normalization",
+# "batch_normalization_1", ...), not by its position or its layer name.  Under its own
+# name this class would be "stable_batch_normalization" there, and a file written by a
+# model with keras.layers.BatchNormalization would not load into the same model with
+# this class (nor the other way round).  The class therefore carries keras's __name__:
+# weight files load in both directions, also when only some layers are replaced, and
+# default layer names are keras's.  It is still registered, and deserialised, as
+# "tf_stable_moments>StableBatchNormalization" (registration above read the original
+# name); __qualname__ is kept so that tracebacks and pickling find the class; __repr__
+# says which class it is.  model.summary() shows the type as "BatchNormalization".
+StableBatchNormalization.__name__ = "BatchNormalization"
