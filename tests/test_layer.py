@@ -554,15 +554,28 @@ def test_synchronized_single_replica_matches_unsynchronized():
     )
 
 
-def test_synchronized_across_replicas_raises(monkeypatch):
-    class TwoReplicas:
-        num_replicas_in_sync = 2
+@pytest.fixture(scope="module")
+def sync_outputs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sync") / "sync.npz"
+    script = Path(__file__).with_name("_layer_sync_check.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    return dict(np.load(path))
 
-    layer = StableBatchNormalization(synchronized=True)
-    layer.build((4, 3))
-    monkeypatch.setattr(tf.distribute, "get_strategy", TwoReplicas)
-    with pytest.raises(NotImplementedError, match="synchronized=True across 2 replicas"):
-        layer(np.ones((4, 3), np.float32), training=True)
+
+@pytest.mark.parametrize("case", ["plain", "masked"])
+def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
+    """10 + 6 rows on a two-replica MirroredStrategy == 16 rows on one device, bit for bit."""
+    out = {k.removeprefix(f"{case}_"): v for k, v in sync_outputs.items() if k.startswith(case)}
+    for key in ("y", "moving"):
+        np.testing.assert_array_equal(
+            out[f"sync_{key}"].view(np.uint32), out[f"single_{key}"].view(np.uint32)
+        )
+    # The input gradient sums the replicas' contributions in another order: float32 tolerance.
+    scale = np.abs(out["single_grad"]).max()
+    np.testing.assert_allclose(out["sync_grad"], out["single_grad"], rtol=0, atol=4e-7 * scale)
 
 
 # ------------------------------------------------------------------ configuration and weights

@@ -152,6 +152,26 @@ def _centre_jvp(x, w, axes, r, dx):
     return dx - _expand(d_mean, axes), d_var, d_mean, ops.zeros_like(d_mean)
 
 
+def _synchronized_centre(centre, context, x, w, axes):
+    """`centre` over the global batch of all replicas; r of this replica's part.
+
+    The replicas' batches are gathered along the first reduction axis, so every
+    replica computes the kernel on the same global batch: the statistics are
+    bit-identical to those of one device holding the whole batch (summing the
+    replicas' float32 sums, as keras does, would not be exact).  The cost is one
+    all_gather of the batch; its gradient (a sum over replicas, then this
+    replica's slice) makes x_bar that of the global batch.
+    """
+    import tensorflow as tf
+
+    a = axes[0]
+    size = tf.shape(x)[a : a + 1]
+    start = tf.reduce_sum(context.all_gather(size, axis=0)[: context.replica_id_in_sync_group])
+    gathered_w = None if w is None else tf.cast(context.all_gather(tf.cast(w, tf.int32), a), bool)
+    r, var, mean_hi, mean_lo = centre(context.all_gather(x, axis=a), gathered_w, axes)
+    return tf.gather(r, tf.range(start, start + size[0]), axis=a), var, mean_hi, mean_lo
+
+
 @functools.cache
 def _backend_centre(name):
     """The differentiable `_centre` of a Keras backend, on that backend's kernel."""
@@ -236,10 +256,13 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
             a fifth non-trainable weight, "moving_mean_correction", after the
             standard four; not available with renorm=True.
 
+    With synchronized=True under a tf.distribute strategy with several
+    replicas (TensorFlow backend, as in keras), the replicas' batches are
+    gathered and every replica computes the statistics of the global batch:
+    the same bits as one device holding the whole batch.
+
     Raises:
-        NotImplementedError: on a Keras backend other than TensorFlow or JAX,
-            and when called in training mode with synchronized=True across
-            more than one replica.
+        NotImplementedError: on a Keras backend other than TensorFlow or JAX.
         ValueError: the errors of keras.layers.BatchNormalization, and
             compensated_moving_stats that is not a bool or is combined with
             renorm=True.
@@ -329,21 +352,19 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     def _batch_statistics(self, inputs, mask):
         """(residual, variance, mean_hi, mean_lo) of the batch, differentiable in inputs."""
         backend = _check_backend()
-        if self.synchronized:
-            import tensorflow as tf
-
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            if replicas > 1:
-                raise NotImplementedError(
-                    f"StableBatchNormalization: synchronized=True across {replicas} replicas is "
-                    "not supported (exact cross-replica moments are not implemented); use "
-                    "synchronized=False or keras.layers.BatchNormalization"
-                )
         weights = None
         if mask is not None:
             weights = ops.expand_dims(mask, axis=-1)
             weights = ops.cast(ops.broadcast_to(weights, ops.shape(inputs)), "bool")
-        return _backend_centre(backend)(inputs, weights, tuple(self._reduction_axes))
+        centre = _backend_centre(backend)
+        axes = tuple(self._reduction_axes)
+        if self.synchronized and backend == "tensorflow":
+            import tensorflow as tf
+
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                return _synchronized_centre(centre, context, inputs, weights, axes)
+        return centre(inputs, weights, axes)
 
     def _update_moving_statistics(self, mean_hi, mean_lo, variance):
         moving_mean = ops.cast(self.moving_mean, mean_hi.dtype)
