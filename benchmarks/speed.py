@@ -151,6 +151,11 @@ def environment():
         "jax_backend": jax.default_backend(),
         "topology": "halving binary tree over zero padding to 2**k, TwoSum at every node, "
         "carries in a second array; folds of 2 levels per fused step",
+        "passes": "3 reads of x: max and min; the shift tree (SY, also the NaN test); "
+        "the squares tree",
+        # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
+        # pages: XLA temporaries above it page-fault on every call (JAX), see README.
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "accumulator_precision": "float32 double-float (hi + lo), no float64",
         "correction_precision": "double-float two-term correction and reciprocal pairs",
         "data": "N(1e6, 1) float32",

@@ -170,27 +170,11 @@ def tree_sum(h, l, axis):
 
 
 # ---------------------------------------------------------------- sections 3-4: one part
-def _extremes(a, b):
-    """Reducer of step 0: max, min and the NaN flag (order-free)."""
-    return jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1]), jnp.maximum(a[2], b[2])
-
-
 def classify(x, axis):
-    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude.
-
-    Along rows (axis 1), one variadic reduction computes the three in one pass;
-    along columns XLA's separate reductions are faster.  Same values.
-    """
-    flag = jnp.where(jnp.isnan(x), jnp.ones_like(x), jnp.zeros_like(x))
-    if axis == 1:
-        inf = np.array(np.inf, x.dtype)
-        init = (-inf, inf, np.zeros((), x.dtype))
-        hi, lo, nan = lax.reduce((x, x, flag), init, _extremes, (axis,))
-    else:
-        hi, lo = jnp.max(x, axis=axis), jnp.min(x, axis=axis)
-        nan = jnp.max(flag, axis=axis)
+    """Step 0: per slice, max and min (order-free), and the largest magnitude."""
+    hi, lo = jnp.max(x, axis=axis), jnp.min(x, axis=axis)
     amax = jnp.expand_dims(jnp.maximum(jnp.abs(hi), jnp.abs(lo)), axis)
-    return amax, (hi, lo, nan)
+    return amax, (hi, lo)
 
 
 def scale_exponent(amax, fmt):
@@ -210,9 +194,10 @@ def square(dh, dl, fmt):
 
 def part_sums(x, e, n, axis, fmt):
     """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
-    # Step 1: range.  Drop what the scaled value would flush, then scale exactly.
+    # Step 1: range.  Drop what the scaled value would flush, and infinities; scale exactly.
     threshold = pow2(jnp.maximum(-e, 0) + 1 - fmt.bias, fmt)
-    xs = jnp.where(jnp.abs(x) < threshold, jnp.zeros_like(x), x) * pow2(e, fmt)
+    dropped = (jnp.abs(x) < threshold) | (jnp.abs(x) == np.inf)
+    xs = jnp.where(dropped, jnp.zeros_like(x), x) * pow2(e, fmt)
     # Step 2: shift by the first element, kept exactly as pairs, summed by the tree.
     k = lax.slice_in_dim(xs, 0, 1, axis=axis)
     yh, yl = two_sum(xs, -k)
@@ -282,8 +267,9 @@ def slice_moments(parts_x, axis, ddof):
     zero = jnp.zeros_like(nan)
     all_finite = True
     out_means = []
-    for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
-        pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0
+    for (mh, ml), (_, (hi, lo)), (_, _, sy, _) in zip(means, classified, parts):
+        # Infinities were dropped in step 1 and nothing overflows: SY is NaN iff x has a NaN.
+        pos, neg, has_nan = hi == np.inf, lo == -np.inf, jnp.isnan(sy[0])
         finite = ~(has_nan | pos | neg) & (n > 0)
         all_finite = all_finite & finite
         special = jnp.where(has_nan | (pos & neg) | (n == 0), nan, jnp.where(pos, np.inf, -np.inf))

@@ -113,7 +113,8 @@ class Mirror:
 
     def part_sums(self, x, e, n):
         threshold = self.pow2(np.maximum(-e, 0) + 1 - self.bias)
-        xs = self.mul(np.where(np.abs(x) < threshold, self.f(0), x), self.pow2(e))
+        dropped = (np.abs(x) < threshold) | (np.abs(x) == np.inf)
+        xs = self.mul(np.where(dropped, self.f(0), x), self.pow2(e))
         k = xs[:, :1]
         yh, yl = self.two_sum(xs, -k)
         sy = self.two_sum(*self.tree_sum(yh, yl))
@@ -155,15 +156,14 @@ def slice_moments(parts_x, ddof=0):
         return [(nan, np.zeros_like(nan)) for _ in parts_x], nan
     his = [np.max(p, axis=1) for p in parts_x]
     los = [np.min(p, axis=1) for p in parts_x]
-    nans = [np.any(np.isnan(p), axis=1) for p in parts_x]
     amax = np.max([np.maximum(np.abs(h), np.abs(l)) for h, l in zip(his, los)], axis=0)
     e = np.clip(1 - m.exponent(amax), 1 - m.bias, m.bias).astype(m.i)
     with np.errstate(all="ignore"):
         parts = [m.part_sums(p, e[:, None], n) for p in parts_x]
         means, var = m.finish(parts, e, n, ddof)
     out, all_finite = [], np.ones(kept, bool)
-    for (mh, ml), hi, lo, has_nan in zip(means, his, los, nans):
-        pos, neg = hi == np.inf, lo == -np.inf
+    for (mh, ml), hi, lo, (_, _, sy, _) in zip(means, his, los, parts):
+        pos, neg, has_nan = hi == np.inf, lo == -np.inf, np.isnan(sy[0])
         finite = ~(has_nan | pos | neg)
         all_finite &= finite
         special = np.where(has_nan | (pos & neg), nan, np.where(pos, np.inf, -np.inf))

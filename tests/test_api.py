@@ -128,14 +128,17 @@ def test_empty_slices_give_nan(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_nan_and_inf_stay_in_their_slice(mode):
     rng = np.random.default_rng(4)
-    x = rng.normal(1e6, 1.0, (50, 6)).astype(np.float32)
+    x = rng.normal(1e6, 1.0, (50, 9)).astype(np.float32)
     clean_mean, clean_var = run(mode, x, (0,))
     x[3, 1], x[7, 2], x[9, 3], x[11, 3], x[0, 4] = np.nan, np.inf, np.inf, -np.inf, -np.inf
+    x[0, 6], x[5, 6] = np.inf, np.nan  # an infinity does not hide a NaN
+    x[0, 7], x[9, 8], x[10, 8] = np.nan, -np.inf, -np.inf  # NaN first; two -inf
     mean, var = run(mode, x, (0,))
     for j in (0, 5):  # untouched slices keep their bits
         assert bits(var[j]) == bits(clean_var[j]) and bits(mean[j]) == bits(clean_mean[j])
-    assert np.all(np.isnan(var[1:5]))
+    assert np.all(np.isnan(var[1:5])) and np.all(np.isnan(var[6:]))
     assert np.isnan(mean[1]) and mean[2] == np.inf and np.isnan(mean[3]) and mean[4] == -np.inf
+    assert np.isnan(mean[6]) and np.isnan(mean[7]) and mean[8] == -np.inf
 
 
 def test_shift_is_accepted_and_ignored_like_tf_nn_moments():

@@ -282,35 +282,11 @@ def _first(v, axis):
 
 
 # ---------------------------------------------------------------- sections 3-4: one part
-def _extremes(a, b):
-    """Reducer of step 0: max, min and the NaN flag (order-free)."""
-    return tf.maximum(a[0], b[0]), tf.minimum(a[1], b[1]), tf.maximum(a[2], b[2])
-
-
-@functools.cache
-def _extremes_reducer(dtype):
-    spec = [tf.TensorSpec([], dtype)] * 6
-    fn = tf.function(lambda *v: _extremes(v[:3], v[3:]), autograph=False)
-    return fn.get_concrete_function(*spec)
-
-
-def classify(x, axis, xla):
-    """Step 0: per slice, max and min, a NaN flag, and the largest magnitude.
-
-    Under XLA, along rows (axis 1), one variadic reduction computes the three in
-    one pass; along columns XLA's separate reductions are faster.  Same values.
-    """
-    flag = tf.where(tf.math.is_nan(x), tf.ones_like(x), tf.zeros_like(x))
-    if xla and axis == 1:
-        inf = tf.constant(np.inf, x.dtype)
-        hi, lo, nan = _xla.variadic_reduce(
-            [x, x, flag], [-inf, inf, tf.zeros([], x.dtype)], [axis], _extremes_reducer(x.dtype)
-        )
-    else:
-        hi, lo = tf.reduce_max(x, axis=axis), tf.reduce_min(x, axis=axis)
-        nan = tf.reduce_max(flag, axis=axis)
+def classify(x, axis):
+    """Step 0: per slice, max and min (order-free), and the largest magnitude."""
+    hi, lo = tf.reduce_max(x, axis=axis), tf.reduce_min(x, axis=axis)
     amax = tf.expand_dims(tf.maximum(tf.abs(hi), tf.abs(lo)), axis)
-    return amax, (hi, lo, nan)
+    return amax, (hi, lo)
 
 
 def scale_exponent(amax, fmt):
@@ -330,9 +306,10 @@ def square(dh, dl, fmt):
 
 def part_sums(x, e, n, axis, fmt, xla):
     """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
-    # Step 1: range.  Drop what the scaled value would flush, then scale exactly.
+    # Step 1: range.  Drop what the scaled value would flush, and infinities; scale exactly.
     threshold = pow2(tf.maximum(-e, 0) + 1 - fmt.bias, fmt)
-    xs = tf.where(tf.abs(x) < threshold, tf.zeros_like(x), x) * pow2(e, fmt)
+    dropped = (tf.abs(x) < threshold) | (tf.abs(x) == np.inf)
+    xs = tf.where(dropped, tf.zeros_like(x), x) * pow2(e, fmt)
     # Step 2: shift by the first element, kept exactly as pairs, summed by the tree.
     k = _slice(xs, 0, 1, axis)
     yh, yl = two_sum(xs, -k)
@@ -397,7 +374,7 @@ def slice_moments(parts_x, axis, ddof, xla=False):
         parts_x = [tf.pad(x, pad) for x in parts_x]
         parts_x = [tf.ensure_shape(x, [None, None]) for x in parts_x]
     # Step 0: classify; one scale for all parts.
-    classified = [classify(x, axis, xla) for x in parts_x]
+    classified = [classify(x, axis) for x in parts_x]
     amax = classified[0][0]
     for a, _ in classified[1:]:
         amax = tf.maximum(amax, a)
@@ -409,8 +386,9 @@ def slice_moments(parts_x, axis, ddof, xla=False):
     zero = tf.zeros_like(nan)
     all_finite = True
     out_means = []
-    for (mh, ml), (_, (hi, lo, has_nan)) in zip(means, classified):
-        pos, neg, has_nan = hi == np.inf, lo == -np.inf, has_nan > 0
+    for (mh, ml), (_, (hi, lo)), (_, _, sy, _) in zip(means, classified, parts):
+        # Infinities were dropped in step 1 and nothing overflows: SY is NaN iff x has a NaN.
+        pos, neg, has_nan = hi == np.inf, lo == -np.inf, tf.math.is_nan(sy[0])
         finite = ~(has_nan | pos | neg) & (n > 0)  # n is 0 only when dynamic
         all_finite = all_finite & finite
         inf = tf.where(pos, tf.constant(np.inf, fmt.float_dtype), -np.inf)
