@@ -86,6 +86,11 @@ def _peak_extra_bytes(fn, arg):
         return None
 
 
+def _xla_temp_bytes(fn, arg):
+    """Temporary buffer of the compiled JAX computation (exact, from XLA's buffer assignment)."""
+    return int(jax.jit(fn).lower(arg).compile().memory_analysis().temp_size_in_bytes)
+
+
 def _status(key):
     with open("/proc/self/status") as f:
         for line in f:
@@ -108,6 +113,9 @@ def bench_case(label, shape, axes, reps):
             _block(fn(inputs[kind]))
             times[name].append(time.perf_counter() - start)
     memory = {name: _peak_extra_bytes(fn, inputs[kind]) for name, (kind, fn) in impls.items()}
+    # The resident high-water mark misses what an earlier case already touched; XLA's
+    # temporary buffer is exact (JAX; TensorFlow compiles the same steps).
+    temp = {name: _xla_temp_bytes(fn, inputs[k]) for name, (k, fn) in impls.items() if k == "jax"}
     med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "case": label,
@@ -117,6 +125,7 @@ def bench_case(label, shape, axes, reps):
         "median_s": med,
         "min_s": {k: min(v) for k, v in times.items()},
         "peak_extra_bytes": memory,
+        "xla_temp_bytes": temp,
     }
 
 
@@ -175,11 +184,15 @@ def main(argv=None):
         r["ratios"] = ratios(r)
         results.append(r)
         print(f"\n{label}  ({r['input_bytes'] / 2**20:.0f} MiB, median of {reps} interleaved runs)")
-        print(f"  {'implementation':28} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>15}")
+        head = f"{'implementation':28} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>10}"
+        print(f"  {head} {'XLA temp MiB':>13}")
         for name, t in r["median_s"].items():
             mem = r["peak_extra_bytes"][name]
-            mem_s = f"{mem / 2**20:15.1f}" if mem is not None else f"{'n/a':>15}"
-            print(f"  {name:28} {t * 1e3:10.2f} {r['input_bytes'] / t / 1e9:11.2f} {mem_s}")
+            mem_s = f"{mem / 2**20:10.1f}" if mem is not None else f"{'n/a':>10}"
+            temp = r["xla_temp_bytes"].get(name)
+            temp_s = f"{temp / 2**20:13.1f}" if temp is not None else f"{'':>13}"
+            speed = r["input_bytes"] / t / 1e9
+            print(f"  {name:28} {t * 1e3:10.2f} {speed:11.2f} {mem_s} {temp_s}")
         for k, v in r["ratios"].items():
             print(f"  ratio {k:34} {v:6.2f}")
     os.makedirs(args.out, exist_ok=True)
