@@ -64,8 +64,17 @@ def _check_ddof(ddof):
 
 def _dims(x):
     static = x.shape.as_list()
+    if None not in static:
+        return static
     dynamic = tf.shape(x, out_type=tf.int64)
     return [d if d is not None else dynamic[i] for i, d in enumerate(static)]
+
+
+def _reshape(x, shape):
+    """tf.reshape, skipped when the static shape already matches (one eager op less)."""
+    if not tf.is_tensor(shape) and x.shape.as_list() == list(shape):
+        return x
+    return tf.reshape(x, shape)
 
 
 def _product(dims):
@@ -83,10 +92,10 @@ def _layout(x, axes):
     n = _product([dims[a] for a in axes])
     rest = _product([dims[a] for a in kept])
     if axes == tuple(range(len(axes))):
-        return tf.reshape(x, tf.stack([n, rest]) if tf.is_tensor(n * rest) else [n, rest]), 0
+        return _reshape(x, tf.stack([n, rest]) if tf.is_tensor(n * rest) else [n, rest]), 0
     if axes != tuple(range(ndim - len(axes), ndim)):
         x = tf.transpose(x, kept + list(axes))
-    return tf.reshape(x, tf.stack([rest, n]) if tf.is_tensor(n * rest) else [rest, n]), 1
+    return _reshape(x, tf.stack([rest, n]) if tf.is_tensor(n * rest) else [rest, n]), 1
 
 
 def _out_shape(x, axes, keepdims):
@@ -170,7 +179,7 @@ def stats(x, axes, ddof):
     else:
         mh, ml = tf.complex(out[0], out[2]), tf.complex(out[1], out[3])
         var = out[4]
-    return tf.reshape(mh, shape), tf.reshape(ml, shape), tf.reshape(var, shape)
+    return _reshape(mh, shape), _reshape(ml, shape), _reshape(var, shape)
 
 
 def residuals(x, mean_hi, mean_lo, axes):
@@ -264,4 +273,4 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
             mean, var = _moments_real(tf.cast(x, work), axes, ddof)
             mean, var = tf.cast(mean, x.dtype), tf.cast(var, x.dtype)
         shape = _out_shape(x, axes, keepdims)
-        return tf.reshape(mean, shape), tf.reshape(var, shape)
+        return _reshape(mean, shape), _reshape(var, shape)
