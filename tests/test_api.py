@@ -14,6 +14,7 @@ from modes import MODES, bits, run
 
 import jax_kernel
 import tf_stable_moments
+from tf_stable_moments import _moments as tf_moments
 
 SHAPE_CASES = [
     ((6,), [0], False),
@@ -194,3 +195,36 @@ def test_jax_float64_with_x64_matches_tensorflow_bitwise(tmp_path):
     assert jax_var.dtype == np.float64
     np.testing.assert_array_equal(bits(jax_var), bits(var.numpy()))
     np.testing.assert_array_equal(bits(jax_mean), bits(mean.numpy()))
+
+
+# ------------------------------------------------------------------ XLA availability
+def _failing_xla(fails):
+    real = tf_moments._slice_moments_xla
+
+    def fake(axis, ddof, parts):
+        if fails(parts[0]):
+            raise tf.errors.UnimplementedError(None, None, "XLA is not available here")
+        return real(axis, ddof, parts)
+
+    return fake
+
+
+def test_without_xla_falls_back_to_plain_ops_with_the_same_bits(monkeypatch):
+    x = np.random.default_rng(40).normal(1e6, 1, (64, 3)).astype(np.float32)
+    expected = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    monkeypatch.setitem(tf_moments._xla_state, "ok", None)
+    monkeypatch.setattr(tf_moments, "_slice_moments_xla", _failing_xla(lambda part: True))
+    with pytest.warns(UserWarning, match=r"XLA unavailable \(UnimplementedError\); using plain"):
+        got = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    assert tf_moments._xla_state["ok"] is False
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g, e)
+
+
+def test_an_error_of_the_call_itself_is_raised_not_taken_for_missing_xla(monkeypatch):
+    monkeypatch.setitem(tf_moments._xla_state, "ok", None)
+    only_large = _failing_xla(lambda part: part.shape[0] > 1)  # the 1 x 1 probe runs
+    monkeypatch.setattr(tf_moments, "_slice_moments_xla", only_large)
+    with pytest.raises(tf.errors.UnimplementedError, match="XLA is not available here"):
+        tf_stable_moments.moments(np.ones((8, 2), np.float32), [0])
+    assert tf_moments._xla_state["ok"] is None

@@ -134,19 +134,38 @@ def _use_xla():
     return _xla_state["ok"] is not False
 
 
+_XLA_ERRORS = (
+    tf.errors.UnimplementedError,
+    tf.errors.NotFoundError,
+    tf.errors.InvalidArgumentError,
+)
+
+
+def _xla_runs(dtype):
+    """Whether XLA compiles and runs the kernel at all: an eager probe on a 1 x 1 input."""
+    try:
+        with tf.init_scope():
+            _slice_moments_xla(1, 0, [tf.zeros([1, 1], dtype)])
+        return True
+    except _XLA_ERRORS:
+        return False
+
+
 def _slice_moments(parts, axis, ddof):
-    """Kernel call: through an XLA-compiled function when XLA is available."""
+    """Kernel call: through an XLA-compiled function when XLA is available.
+
+    If the first XLA call fails with an error that a missing or unusable XLA
+    gives, a 1 x 1 probe decides: if the probe fails too, XLA is switched off
+    for the process (with a warning) and plain operations run; if it runs, the
+    error belongs to this call and is raised.
+    """
     if _use_xla():
         try:
             out = _slice_moments_xla(axis, ddof, parts)
             _xla_state["ok"] = True
             return out
-        except (
-            tf.errors.UnimplementedError,
-            tf.errors.NotFoundError,
-            tf.errors.InvalidArgumentError,
-        ) as err:
-            if _xla_state["ok"]:
+        except _XLA_ERRORS as err:
+            if _xla_state["ok"] or _xla_runs(parts[0].dtype):
                 raise
             warnings.warn(
                 f"tf_stable_moments: XLA unavailable ({err.__class__.__name__}); using plain ops",
