@@ -73,8 +73,9 @@ unevaluated sum moving_mean + moving_mean_correction (Kahan-style):
   (moving_mean, correction) = two_sum(moving_mean, correction + (1 - momentum) * delta)
 which tracks the exact recursion to double precision, and inference subtracts
 both parts.  The price is a fifth weight, "moving_mean_correction", appended
-after the four standard weights: with the option on, the weight list of a
-standard BatchNormalization no longer loads 1:1.  The option is off by default.
+after the four standard weights: with the option on, set_weights needs five
+arrays (a weight file of a standard BatchNormalization still loads: the
+correction starts at 0).  The option is off by default.
 """
 
 import functools
