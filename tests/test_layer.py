@@ -7,6 +7,7 @@ two are compared bit for bit.
 
 import inspect
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -707,6 +708,8 @@ def test_class_identity_is_visible():
     assert repr(layer) == "<tf_stable_moments.StableBatchNormalization name=bn, built=False>"
     assert StableBatchNormalization.__qualname__ == "StableBatchNormalization"
     assert StableBatchNormalization.__name__ == "BatchNormalization"  # keras's weight-file key
+    model = keras.Sequential([keras.Input((4,)), StableBatchNormalization()])
+    assert type(pickle.loads(pickle.dumps(model)).layers[0]) is StableBatchNormalization
 
 
 def test_exported_from_package():
