@@ -635,8 +635,12 @@ def test_compensated_weights_are_appended():
         layer.set_weights(standard)
 
 
-def _small_model(cls, seed=None):
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), cls()])
+def _small_model(*classes, seed=None):
+    """Input(8), then Dense(8) and a normalization layer of each class; seeded weights."""
+    layers = [keras.Input((8,))]
+    for cls in classes:
+        layers += [keras.layers.Dense(8), cls()]
+    model = keras.Sequential(layers)
     if seed is not None:
         rng = np.random.default_rng(seed)
         model.set_weights([rng.normal(size=w.shape).astype(np.float32) for w in model.weights])
@@ -657,17 +661,6 @@ def test_load_weights_from_legacy_h5_of_keras_model(tmp_path):
     _assert_same_weights(ours, theirs)
 
 
-def _mixed_model(classes, seed=None):
-    layers = [keras.Input((8,))]
-    for cls in classes:
-        layers += [keras.layers.Dense(8), cls()]
-    model = keras.Sequential(layers)
-    if seed is not None:
-        rng = np.random.default_rng(seed)
-        model.set_weights([rng.normal(size=w.shape).astype(np.float32) for w in model.weights])
-    return model
-
-
 KERAS_BN = keras.layers.BatchNormalization
 
 
@@ -683,18 +676,18 @@ KERAS_BN = keras.layers.BatchNormalization
 def test_native_weights_file_loads_across_the_classes(tmp_path, writer, reader):
     """Keras 3 .weights.h5 files address layers by snake-cased class name and count;
     the layer carries keras's class name, so files load 1:1 in both directions."""
-    written = _mixed_model(writer, seed=17)
+    written = _small_model(*writer, seed=17)
     written.save_weights(tmp_path / "bn.weights.h5")
-    read = _mixed_model(reader)
+    read = _small_model(*reader)
     read.load_weights(tmp_path / "bn.weights.h5")
     _assert_same_weights(read, written)
     assert [type(layer) for layer in read.layers[1::2]] == list(reader)
 
 
 def test_native_weights_file_of_keras_model_loads_with_compensation(tmp_path):
-    written = _mixed_model((KERAS_BN,), seed=18)
+    written = _small_model(KERAS_BN, seed=18)
     written.save_weights(tmp_path / "bn.weights.h5")
-    read = _mixed_model((lambda: StableBatchNormalization(compensated_moving_stats=True),))
+    read = _small_model(lambda: StableBatchNormalization(compensated_moving_stats=True))
     read.layers[1].moving_mean_correction.assign(np.full(8, 0.25, np.float32))
     read.load_weights(tmp_path / "bn.weights.h5")
     *standard, correction = read.get_weights()

@@ -338,16 +338,17 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     def load_own_variables(self, store):
         """Keras's loader; with compensated_moving_stats=True it also reads the entry of a
         standard BatchNormalization (no correction weight) and starts the correction at 0."""
-        standard = [
-            variable
-            for variable in self._trainable_variables + self._non_trainable_variables
-            if variable is not self.moving_mean_correction
-        ]
-        if self.compensated_moving_stats and len(store.keys()) == len(standard):
-            for i, variable in enumerate(standard):
-                variable.assign(store[f"{i}"])
-            self.moving_mean_correction.assign(ops.zeros_like(self.moving_mean_correction))
-            return
+        if self.compensated_moving_stats:
+            standard = [
+                variable
+                for variable in self._trainable_variables + self._non_trainable_variables
+                if variable is not self.moving_mean_correction
+            ]
+            if len(store.keys()) == len(standard):
+                for i, variable in enumerate(standard):
+                    variable.assign(store[f"{i}"])
+                self.moving_mean_correction.assign(ops.zeros_like(self.moving_mean_correction))
+                return
         super().load_own_variables(store)
 
     def _batch_statistics(self, inputs, mask):
