@@ -119,6 +119,19 @@ def count_pair(n, fmt):
     return hi, fmt.float_dtype.type(n - int(hi))
 
 
+class Counts(NamedTuple):
+    """The slice length n and the pairs the mean and the finish need (section 7)."""
+
+    n: int
+    rn: tuple  # 1/n
+    rd: tuple  # 1/(n - ddof)
+    pair: tuple  # n
+
+
+def counts(n, ddof, fmt):
+    return Counts(n, reciprocal_pair(n, fmt), reciprocal_pair(n - ddof, fmt), count_pair(n, fmt))
+
+
 # ---------------------------------------------------------------- section 5: the tree
 def _pad_to_power_of_two(v, axis):
     n = v.shape[axis]
@@ -192,7 +205,7 @@ def square(dh, dl, fmt):
     return qh, ql
 
 
-def part_sums(x, e, n, axis, fmt):
+def part_sums(x, e, rn, axis, fmt):
     """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
     # Step 1: range.  Drop what the scaled value would flush, and infinities; scale exactly.
     threshold = pow2(jnp.maximum(-e, 0) + 1 - fmt.bias, fmt)
@@ -204,7 +217,7 @@ def part_sums(x, e, n, axis, fmt):
     sy = two_sum(*tree_sum(yh, yl, axis))
     # Step 3: the mean to double precision; the centre c is the rounded mean.
     k = jnp.squeeze(k, axis)
-    mean = df_add(k, jnp.zeros_like(k), *df_mul(*sy, *reciprocal_pair(n, fmt), fmt))
+    mean = df_add(k, jnp.zeros_like(k), *df_mul(*sy, *rn, fmt))
     c = jnp.expand_dims(mean[0], axis)
     # Step 4: exact residuals and their squares.
     dh, dl = two_sum(xs, -c)
@@ -215,20 +228,18 @@ def part_sums(x, e, n, axis, fmt):
 
 
 # ---------------------------------------------------------------- section 7: finish
-def finish(parts, e, n, ddof, fmt):
+def finish(parts, e, count, fmt):
     """Two-term correction, division and the single rounding, per slice.
 
     parts: a list of (mean, k, sy, s2) pairs from part_sums, sharing the scale
-    exponent e.  Returns the scaled-back (mean_hi, mean_lo) of each part and the
-    variance.
+    exponent e; count: the Counts of the slices.  Returns the scaled-back
+    (mean_hi, mean_lo) of each part and the variance.
     """
-    rn = reciprocal_pair(n, fmt)
-    rd = reciprocal_pair(n - ddof, fmt)
-    count = count_pair(n, fmt)
+    rn, rd = count.rn, count.rd
     means, num = [], None
     for (mh, ml), k, sy, s2 in parts:
         # S1 = sum(xs - c) = sy - n (c - k), with c - k exact.
-        shift = df_mul(*count, *two_sum(mh, -k), fmt)
+        shift = df_mul(*count.pair, *two_sum(mh, -k), fmt)
         s1 = df_add(*sy, -shift[0], -shift[1])
         corr = df_mul(*df_mul(*s1, *rn, fmt), *s1, fmt)
         term = df_add(*s2, -corr[0], -corr[1])
@@ -255,14 +266,15 @@ def slice_moments(parts_x, axis, ddof):
     nan = jnp.full((kept,), np.nan, fmt.float_dtype)
     if n == 0:
         return [(nan, jnp.zeros_like(nan)) for _ in parts_x], nan
+    count = counts(n, ddof, fmt)
     # Step 0: classify; one scale for all parts.
     classified = [classify(x, axis) for x in parts_x]
     amax = classified[0][0]
     for a, _ in classified[1:]:
         amax = jnp.maximum(amax, a)
     e = scale_exponent(amax, fmt)
-    parts = [part_sums(x, e, n, axis, fmt) for x in parts_x]
-    means, var = finish(parts, jnp.squeeze(e, axis), n, ddof, fmt)
+    parts = [part_sums(x, e, count.rn, axis, fmt) for x in parts_x]
+    means, var = finish(parts, jnp.squeeze(e, axis), count, fmt)
     # Section 8: special values, each slice on its own.
     zero = jnp.zeros_like(nan)
     all_finite = True

@@ -11,8 +11,10 @@ contraction of ``a*b + c`` into an FMA cannot change a bit (section 6).
 Unlike the JAX kernel, the slice length n may be unknown while tracing (a
 tf.function with None dimensions).  Then the tree runs a fixed number of levels
 over zero-padded arrays and 1/n is computed by integer long division in the
-graph; both give the same bits as the static path (sections 5 and 7).  Without
-XLA (no variadic reduction), tree levels are folds of slices: the same bits.
+graph; both give the same bits as the static path (sections 5 and 7).  The
+slices may also come padded to a bucketed length, with their Counts (`count`,
+sections 5 and 10).  Without XLA (no variadic reduction), tree levels are folds
+of slices: the same bits.
 """
 
 import functools
@@ -155,6 +157,19 @@ def count_pair(n, fmt):
         return tf.constant(hi, fmt.float_dtype), tf.constant(n - int(hi), fmt.float_dtype)
     hi = tf.cast(n, fmt.float_dtype)
     return hi, tf.cast(n - tf.cast(hi, n.dtype), fmt.float_dtype)
+
+
+class Counts(NamedTuple):
+    """The slice length n and the pairs the mean and the finish need (section 7)."""
+
+    n: object  # an int, or an int64 scalar tensor
+    rn: tuple  # 1/n
+    rd: tuple  # 1/(n - ddof)
+    pair: tuple  # n
+
+
+def counts(n, ddof, fmt):
+    return Counts(n, reciprocal_pair(n, fmt), reciprocal_pair(n - ddof, fmt), count_pair(n, fmt))
 
 
 # ---------------------------------------------------------------- section 5: the tree
@@ -304,8 +319,12 @@ def square(dh, dl, fmt):
     return qh, ql
 
 
-def part_sums(x, e, n, axis, fmt, xla):
-    """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
+def part_sums(x, e, rn, axis, fmt, xla, valid=None):
+    """Steps 1-5 for one real part: the mean pair, the centre and the sums.
+
+    valid: None, or a mask of the data along `axis` (bucketed shapes, section 10):
+    the squares of the padding are left out of the tree.
+    """
     # Step 1: range.  Drop what the scaled value would flush, and infinities; scale exactly.
     threshold = pow2(tf.maximum(-e, 0) + 1 - fmt.bias, fmt)
     dropped = (tf.abs(x) < threshold) | (tf.abs(x) == np.inf)
@@ -316,31 +335,31 @@ def part_sums(x, e, n, axis, fmt, xla):
     sy = two_sum(*tree_sum(yh, yl, axis, xla))
     # Step 3: the mean to double precision; the centre c is the rounded mean.
     k = tf.squeeze(k, axis)
-    mean = df_add(k, tf.zeros_like(k), *df_mul(*sy, *reciprocal_pair(n, fmt), fmt))
+    mean = df_add(k, tf.zeros_like(k), *df_mul(*sy, *rn, fmt))
     c = tf.expand_dims(mean[0], axis)
     # Step 4: exact residuals and their squares.
     dh, dl = two_sum(xs, -c)
     qh, ql = square(dh, dl, fmt)
+    if valid is not None:
+        qh, ql = tf.where(valid, qh, tf.zeros_like(qh)), tf.where(valid, ql, tf.zeros_like(ql))
     # Step 5: the compensated tree of the squares.
     s2 = two_sum(*tree_sum(qh, ql, axis, xla))
     return mean, k, sy, s2
 
 
 # ---------------------------------------------------------------- section 7: finish
-def finish(parts, e, n, ddof, fmt):
+def finish(parts, e, count, fmt):
     """Two-term correction, division and the single rounding, per slice.
 
     parts: a list of (mean, k, sy, s2) pairs from part_sums, sharing the scale
-    exponent e.  Returns the scaled-back (mean_hi, mean_lo) of each part and the
-    variance.
+    exponent e; count: the Counts of the slices.  Returns the scaled-back
+    (mean_hi, mean_lo) of each part and the variance.
     """
-    rn = reciprocal_pair(n, fmt)
-    rd = reciprocal_pair(n - ddof, fmt)
-    count = count_pair(n, fmt)
+    rn, rd = count.rn, count.rd
     means, num = [], None
     for (mh, ml), k, sy, s2 in parts:
         # S1 = sum(xs - c) = sy - n (c - k), with c - k exact.
-        shift = df_mul(*count, *two_sum(mh, -k), fmt)
+        shift = df_mul(*count.pair, *two_sum(mh, -k), fmt)
         s1 = df_add(*sy, -shift[0], -shift[1])
         corr = df_mul(*df_mul(*s1, *rn, fmt), *s1, fmt)
         term = df_add(*s2, -corr[0], -corr[1])
@@ -355,32 +374,46 @@ def finish(parts, e, n, ddof, fmt):
     return means, var
 
 
-def slice_moments(parts_x, axis, ddof, xla=False):
+def slice_moments(parts_x, axis, ddof, xla=False, count=None):
     """Mean pairs and variance of the slices of 2-D tensors along `axis` (0 or 1).
 
     parts_x: one real tensor, or the real and imaginary parts of a complex one.
     xla: True when the caller compiles with XLA (tree levels as XLA reductions).
+    count: None, or the Counts of slices padded to a bucketed length (section
+      10): only the first count.n elements of each slice are data, and the
+      padding must hold copies of the slice's first element.  Copies leave max,
+      min and the shift tree unchanged, and their squares are left out: the
+      same bits as the unpadded slices.  (Computed by the caller, outside this
+      XLA computation: XLA fuses scalar integer divisions into the loops over
+      the elements, where they cannot be hoisted.)
     Returns ([(mean_hi, mean_lo) per part], var), each of the kept length.
     """
     fmt = FORMATS[parts_x[0].dtype]
     n = parts_x[0].shape[axis]
-    if n == 0:
-        nan = tf.fill([tf.shape(parts_x[0])[1 - axis]], tf.constant(np.nan, fmt.float_dtype))
-        return [(nan, tf.zeros_like(nan)) for _ in parts_x], nan
-    if n is None:  # unknown while tracing: keep at least one element per slice
-        n = tf.shape(parts_x[0], out_type=tf.int64)[axis]
-        pad = [[0, 0], [0, 0]]
-        pad[axis] = [0, tf.cast(tf.maximum(1 - n, 0), tf.int32)]
-        parts_x = [tf.pad(x, pad) for x in parts_x]
-        parts_x = [tf.ensure_shape(x, [None, None]) for x in parts_x]
+    valid = None
+    if count is not None:
+        index = tf.range(tf.shape(parts_x[0], out_type=tf.int64)[axis])
+        valid = index[:, None] < count.n if axis == 0 else index[None, :] < count.n
+    else:
+        if n == 0:
+            nan = tf.fill([tf.shape(parts_x[0])[1 - axis]], tf.constant(np.nan, fmt.float_dtype))
+            return [(nan, tf.zeros_like(nan)) for _ in parts_x], nan
+        if n is None:  # unknown while tracing: keep at least one element per slice
+            n = tf.shape(parts_x[0], out_type=tf.int64)[axis]
+            pad = [[0, 0], [0, 0]]
+            pad[axis] = [0, tf.cast(tf.maximum(1 - n, 0), tf.int32)]
+            parts_x = [tf.pad(x, pad) for x in parts_x]
+            parts_x = [tf.ensure_shape(x, [None, None]) for x in parts_x]
+        count = counts(n, ddof, fmt)
+    n = count.n
     # Step 0: classify; one scale for all parts.
     classified = [classify(x, axis) for x in parts_x]
     amax = classified[0][0]
     for a, _ in classified[1:]:
         amax = tf.maximum(amax, a)
     e = scale_exponent(amax, fmt)
-    parts = [part_sums(x, e, n, axis, fmt, xla) for x in parts_x]
-    means, var = finish(parts, tf.squeeze(e, axis), n, ddof, fmt)
+    parts = [part_sums(x, e, count.rn, axis, fmt, xla, valid) for x in parts_x]
+    means, var = finish(parts, tf.squeeze(e, axis), count, fmt)
     # Section 8: special values, each slice on its own.
     nan = tf.fill(tf.shape(var), tf.constant(np.nan, fmt.float_dtype))
     zero = tf.zeros_like(nan)
