@@ -205,8 +205,12 @@ def square(dh, dl, fmt):
     return qh, ql
 
 
-def part_sums(x, e, rn, axis, fmt):
-    """Steps 1-5 for one real part: the mean pair, the centre and the sums."""
+def part_sums(x, e, rn, axis, fmt, valid=None):
+    """Steps 1-5 for one real part: the mean pair, the centre and the sums.
+
+    valid: None, or a mask of the data along `axis` (padded slices, section 5):
+    the squares of the padding are left out of the tree.
+    """
     # Step 1: range.  Drop what the scaled value would flush, and infinities; scale exactly.
     threshold = pow2(jnp.maximum(-e, 0) + 1 - fmt.bias, fmt)
     dropped = (jnp.abs(x) < threshold) | (jnp.abs(x) == np.inf)
@@ -222,6 +226,8 @@ def part_sums(x, e, rn, axis, fmt):
     # Step 4: exact residuals and their squares.
     dh, dl = two_sum(xs, -c)
     qh, ql = square(dh, dl, fmt)
+    if valid is not None:
+        qh, ql = jnp.where(valid, qh, jnp.zeros_like(qh)), jnp.where(valid, ql, jnp.zeros_like(ql))
     # Step 5: the compensated tree of the squares.
     s2 = two_sum(*tree_sum(qh, ql, axis))
     return mean, k, sy, s2
@@ -254,26 +260,33 @@ def finish(parts, e, count, fmt):
     return means, var
 
 
-def slice_moments(parts_x, axis, ddof):
+def slice_moments(parts_x, axis, ddof, n=None):
     """Mean pairs and variance of the slices of 2-D arrays along `axis` (0 or 1).
 
     parts_x: one real array, or the real and imaginary parts of a complex one.
+    n: None, or the number of data in slices padded beyond it with copies of
+      their first element (section 5): the same bits as the unpadded slices.
     Returns ([(mean_hi, mean_lo) per part], var), each of the kept length.
     """
     fmt = FORMATS[np.dtype(parts_x[0].dtype)]
-    n = parts_x[0].shape[axis]
+    size = parts_x[0].shape[axis]
+    n = size if n is None else n
     kept = parts_x[0].shape[1 - axis]
     nan = jnp.full((kept,), np.nan, fmt.float_dtype)
     if n == 0:
         return [(nan, jnp.zeros_like(nan)) for _ in parts_x], nan
     count = counts(n, ddof, fmt)
+    valid = None
+    if n < size:
+        index = lax.broadcasted_iota(np.int32, (size, 1) if axis == 0 else (1, size), axis)
+        valid = index < n
     # Step 0: classify; one scale for all parts.
     classified = [classify(x, axis) for x in parts_x]
     amax = classified[0][0]
     for a, _ in classified[1:]:
         amax = jnp.maximum(amax, a)
     e = scale_exponent(amax, fmt)
-    parts = [part_sums(x, e, count.rn, axis, fmt) for x in parts_x]
+    parts = [part_sums(x, e, count.rn, axis, fmt, valid) for x in parts_x]
     means, var = finish(parts, jnp.squeeze(e, axis), count, fmt)
     # Section 8: special values, each slice on its own.
     zero = jnp.zeros_like(nan)

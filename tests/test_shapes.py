@@ -1,11 +1,13 @@
 """Shape buckets: bounded XLA compilations for changing shapes, with the same bits."""
 
+import jax
 import numpy as np
 import numpy_mirror
 import pytest
 import tensorflow as tf
 from modes import bits
 
+import jax_kernel
 import tf_stable_moments
 from tf_stable_moments import _moments as tf_moments
 
@@ -163,3 +165,49 @@ def test_static_shapes_pad_slices_to_a_power_of_two_where_xla_is_slow(
     np.testing.assert_array_equal(bits(var.numpy()), bits(want_var))
     np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
     assert compiled_shapes == [compiled]
+
+
+@pytest.mark.parametrize(
+    "shape,axes,dtype",
+    [
+        ((21, 37), (1,), np.float32),
+        ((21, 37), (1,), np.float64),
+        ((21, 37), (1,), np.complex64),
+        ((21, 37), (1,), np.float16),
+        ((9, 7, 41), (1, 2), np.float32),
+        ((16400, 64), (0,), np.float32),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v).replace(" ", "")),
+)
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_jax_concrete_inputs_padded_outside_the_kernel_give_the_same_bits(
+    shape, axes, dtype, ddof, monkeypatch
+):
+    """Concrete arrays are laid out and padded by a separate jitted function; traced
+    ones (inside a user's jit) are not: both give the same bits."""
+    from jax_kernel import _moments as jax_moments
+
+    padded = []
+    real = jax_moments._padded_parts
+    monkeypatch.setattr(
+        jax_moments,
+        "_padded_parts",
+        lambda x, axes, size: padded.append(size) or real(x, axes, size),
+    )
+    n = int(np.prod([shape[a] for a in axes]))
+    rng = np.random.default_rng(9)
+    part = np.float32 if dtype in (np.complex64, np.float16) else dtype
+    x = _special_rows(rng, (np.prod(shape) // n, n), part)  # one slice per row
+    if dtype == np.complex64:
+        z = np.empty(x.shape, dtype)
+        z.real, z.imag = x, _special_rows(rng, x.shape, part)
+        x = z
+    if dtype == np.float16:
+        x = np.where(np.abs(x) > 6e4, 1e4, x).astype(dtype)  # float16 range
+    x = x.reshape(shape) if axes[0] > 0 else np.ascontiguousarray(x.T).reshape(shape)
+    concrete = jax_kernel.moments(x, axes, ddof=ddof)
+    traced = jax.jit(lambda v: jax_kernel.moments(v, axes, ddof=ddof))(x)
+    assert padded == [1 << (n - 1).bit_length()]
+    for c, t in zip(concrete, traced, strict=True):
+        assert c.dtype == t.dtype and c.shape == t.shape
+        np.testing.assert_array_equal(bits(np.asarray(c)), bits(np.asarray(t)))
