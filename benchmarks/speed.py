@@ -29,7 +29,11 @@ CASES = [
     ("[4096,4096] axis 0", (4096, 4096), (0,)),
     ("[128,32,32,64] axes 0,1,2", (128, 32, 32, 64), (0, 1, 2)),
     ("[256,1024] axis 1", (256, 1024), (1,)),
+    ("[4000,4000] axis 1 (n not a power of two)", (4000, 4000), (1,)),
+    ("[100,32,32,64] axes 0,1,2 (batch of 100)", (100, 32, 32, 64), (0, 1, 2)),
 ]
+# First calls of a tf.function with an unknown batch size: XLA compiles once per bucket.
+BATCH_SIZES = (100, 101, 102, 103, 120, 128, 64, 33, 34, 35)
 QUICK_CASES = [
     ("[512,512] axis 1", (512, 512), (1,)),
     ("[16,8,8,16] axes 0,1,2", (16, 8, 8, 16), (0, 1, 2)),
@@ -44,9 +48,11 @@ def note_reference(x, axes):
     return jnp.squeeze(m, axes), var
 
 
-def implementations(axes):
+def implementations(axes, rank):
     ax = list(axes)
     ours_fn = tf.function(lambda v: tf_stable_moments.moments(v, ax))
+    unknown = [tf.TensorSpec([None] * rank, tf.float32)]
+    ours_dyn = tf.function(lambda v: tf_stable_moments.moments(v, ax), input_signature=unknown)
     ours_xla = tf.function(lambda v: tf_stable_moments.moments(v, ax), jit_compile=True)
     ref_fn = tf.function(lambda v: tf.nn.moments(v, ax))
     ref_xla = tf.function(lambda v: tf.nn.moments(v, ax), jit_compile=True)
@@ -56,6 +62,7 @@ def implementations(axes):
         "tf.nn.moments eager": ("tf", lambda v: tf.nn.moments(v, ax)),
         "ours tf.function": ("tf", ours_fn),
         "tf.nn.moments tf.function": ("tf", ref_fn),
+        "ours tf.function, unknown shape": ("tf", ours_dyn),
         "ours XLA": ("tf", ours_xla),
         "tf.nn.moments XLA": ("tf", ref_xla),
         "reduce_sum XLA (floor)": ("tf", floor_xla),
@@ -102,7 +109,7 @@ def _status(key):
 def bench_case(label, shape, axes, reps):
     x = np.random.default_rng(0).normal(1e6, 1.0, shape).astype(np.float32)
     inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
-    impls = implementations(axes)
+    impls = implementations(axes, len(shape))
     for kind, fn in impls.values():  # warm up: trace and compile
         _block(fn(inputs[kind]))
         _block(fn(inputs[kind]))
@@ -127,6 +134,25 @@ def bench_case(label, shape, axes, reps):
         "peak_extra_bytes": memory,
         "xla_temp_bytes": temp,
     }
+
+
+def batch_size_compiles(sizes=BATCH_SIZES, features=256):
+    """Seconds of the first call per batch size, tf.function with an unknown batch size."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, features], tf.float32)])
+    def fn(v):
+        return tf_stable_moments.moments(v, [0])
+
+    out = []
+    for b in sizes:
+        x = tf.constant(np.random.default_rng(b).normal(1e6, 1.0, (b, features)), tf.float32)
+        start = time.perf_counter()
+        _block(fn(x))
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        _block(fn(x))
+        out.append({"batch": b, "first_s": first, "second_s": time.perf_counter() - start})
+    return out
 
 
 def ratios(result):
@@ -159,7 +185,8 @@ def environment():
         "TF_XLA_FLAGS": os.environ.get("TF_XLA_FLAGS", ""),
         "jax_backend": jax.default_backend(),
         "topology": "halving binary tree over zero padding to 2**k, TwoSum at every node, "
-        "carries in a second array; folds of 2 levels per fused step",
+        "carries in a second array; 2 levels per XLA reduction; TF eager/graph: slices "
+        "along axis 1 padded to 2**k (copies of the first element) before the XLA call",
         "passes": "3 reads of x: max and min; the shift tree (SY, also the NaN test); "
         "the squares tree",
         # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
@@ -195,10 +222,17 @@ def main(argv=None):
             print(f"  {name:28} {t * 1e3:10.2f} {speed:11.2f} {mem_s} {temp_s}")
         for k, v in r["ratios"].items():
             print(f"  ratio {k:34} {v:6.2f}")
+    compiles = batch_size_compiles(BATCH_SIZES[:3] if args.quick else BATCH_SIZES)
+    print("\nfirst / second call, tf.function with an unknown batch size, [batch, 256] axis 0:")
+    for c in compiles:
+        print(
+            f"  batch {c['batch']:4d}: {c['first_s'] * 1e3:8.1f} ms / {c['second_s'] * 1e3:6.1f} ms"
+        )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "speed.json")
     with open(path, "w") as f:
-        json.dump({"environment": environment(), "reps": reps, "results": results}, f, indent=1)
+        record = {"environment": environment(), "reps": reps, "results": results}
+        json.dump(dict(record, batch_size_compiles=compiles), f, indent=1)
     print(f"\nwrote {path}")
     return results
 
