@@ -180,21 +180,12 @@ def test_static_shapes_pad_slices_to_a_power_of_two_where_xla_is_slow(
     ids=lambda v: getattr(v, "__name__", str(v).replace(" ", "")),
 )
 @pytest.mark.parametrize("ddof", [0, 1])
-def test_jax_concrete_inputs_padded_outside_the_kernel_give_the_same_bits(
-    shape, axes, dtype, ddof, monkeypatch
-):
-    """Concrete arrays are laid out and padded by a separate jitted function; traced
-    ones (inside a user's jit) are not: both give the same bits."""
+def test_jax_padded_slices_give_the_bits_of_unpadded_ones(shape, axes, dtype, ddof, monkeypatch):
     from jax_kernel import _moments as jax_moments
 
-    padded = []
-    real = jax_moments._padded_parts
-    monkeypatch.setattr(
-        jax_moments,
-        "_padded_parts",
-        lambda x, axes, size: padded.append(size) or real(x, axes, size),
-    )
     n = int(np.prod([shape[a] for a in axes]))
+    axis = 0 if axes[0] == 0 else 1
+    assert jax_moments._padded_length(n, np.prod(shape) // n, axis) == 1 << (n - 1).bit_length()
     rng = np.random.default_rng(9)
     part = np.float32 if dtype in (np.complex64, np.float16) else dtype
     x = _special_rows(rng, (np.prod(shape) // n, n), part)  # one slice per row
@@ -204,13 +195,14 @@ def test_jax_concrete_inputs_padded_outside_the_kernel_give_the_same_bits(
         x = z
     if dtype == np.float16:
         x = np.where(np.abs(x) > 6e4, 1e4, x).astype(dtype)  # float16 range
-    x = x.reshape(shape) if axes[0] > 0 else np.ascontiguousarray(x.T).reshape(shape)
-    concrete = jax_kernel.moments(x, axes, ddof=ddof)
-    traced = jax.jit(lambda v: jax_kernel.moments(v, axes, ddof=ddof))(x)
-    assert padded == [1 << (n - 1).bit_length()]
-    for c, t in zip(concrete, traced, strict=True):
-        assert c.dtype == t.dtype and c.shape == t.shape
-        np.testing.assert_array_equal(bits(np.asarray(c)), bits(np.asarray(t)))
+    x = x.reshape(shape) if axis == 1 else np.ascontiguousarray(x.T).reshape(shape)
+    padded = jax_kernel.moments(x, axes, ddof=ddof)
+    monkeypatch.setattr(jax_moments, "_padded_length", lambda n, kept, axis: n)
+    with jax.disable_jit():  # traced anew, op by op, without padding
+        unpadded = jax_kernel.moments(x, axes, ddof=ddof)
+    for p, u in zip(padded, unpadded, strict=True):
+        assert p.dtype == u.dtype and p.shape == u.shape
+        np.testing.assert_array_equal(bits(np.asarray(p)), bits(np.asarray(u)))
 
 
 def test_an_unknown_kept_length_is_bucketed_in_eight_steps_per_octave(compiled_shapes):
