@@ -122,6 +122,7 @@ def test_eager_calls_past_the_exact_shape_budget_are_bucketed_with_the_same_bits
         z.real, z.imag = x, _special_rows(rng, x.shape, np.float32)
         x = z
     x = x if axis == 1 else x.T.copy()
+    monkeypatch.setattr(tf_moments, "_exact_shapes", {})  # a fresh budget of exact shapes
     exact = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [axis], ddof=ddof)]
     monkeypatch.setattr(tf_moments, "EXACT_SHAPES", 0)
     monkeypatch.setattr(tf_moments, "_exact_shapes", {})
