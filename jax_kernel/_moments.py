@@ -70,6 +70,29 @@ def _layout(x, axes):
     return x.reshape(rest, n), 1
 
 
+def _padded_length(n, kept, axis):
+    """n, or the next power of two where XLA's own padding of the tree is slow.
+
+    The same policy as the TensorFlow wrapper (tf_stable_moments/_moments.py):
+    along axis 1 always, along axis 0 for rows of at most 256 elements and
+    inputs of at least 2**20 elements.  XLA fuses this padding into the kernel,
+    and it still helps ([4000, 4000] along axis 1: 294 ms, padded 53 ms).
+    """
+    if n <= 1 or n & (n - 1) == 0:
+        return n
+    if axis == 1 or (kept <= 256 and n * kept >= 1 << 20):
+        return 1 << (n - 1).bit_length()
+    return n
+
+
+def _pad_slices(p, axis, size):
+    """Slices padded to `size` with copies of their first element (docs section 5)."""
+    fill = list(p.shape)
+    fill[axis] = size - p.shape[axis]
+    first = lax.slice_in_dim(p, 0, 1, axis=axis)
+    return jnp.concatenate([p, jnp.broadcast_to(first, fill)], axis)
+
+
 def _out_shape(shape, axes, keepdims):
     if keepdims:
         return tuple(1 if a in axes else d for a, d in enumerate(shape))
@@ -78,7 +101,9 @@ def _out_shape(shape, axes, keepdims):
 
 def stats(x, axes, ddof):
     """(mean_hi, mean_lo, var) in the compute dtype, shaped like the kept axes."""
-    parts, axis = _lay_out(x, axes)
+    parts = [x] if not jnp.iscomplexobj(x) else [jnp.real(x), jnp.imag(x)]
+    laid = [_layout(p.astype(_compute_dtype(x.dtype)), axes) for p in parts]
+    parts, axis = [p for p, _ in laid], laid[0][1]
     n = parts[0].shape[axis]
     size = _padded_length(n, parts[0].shape[1 - axis], axis)
     if size != n:
@@ -127,36 +152,6 @@ def _moments(x, axes, keepdims, ddof):
         mean, var = mean.astype(x.dtype), var.astype(x.dtype)
     shape = _out_shape(x.shape, axes, keepdims)
     return mean.reshape(shape), var.reshape(shape)
-
-
-def _padded_length(n, kept, axis):
-    """n, or the next power of two where XLA's own padding of the tree is slow.
-
-    The same policy as the TensorFlow wrapper (tf_stable_moments/_moments.py):
-    along axis 1 always, along axis 0 for rows of at most 256 elements and
-    inputs of at least 2**20 elements.  XLA fuses this padding into the kernel,
-    and it still helps ([4000, 4000] along axis 1: 294 ms, padded 53 ms).
-    """
-    if n <= 1 or n & (n - 1) == 0:
-        return n
-    if axis == 1 or (kept <= 256 and n * kept >= 1 << 20):
-        return 1 << (n - 1).bit_length()
-    return n
-
-
-def _lay_out(x, axes):
-    """The 2-D layout of x's parts in the compute dtype, and its axis."""
-    parts = [x] if not jnp.iscomplexobj(x) else [jnp.real(x), jnp.imag(x)]
-    laid = [_layout(p.astype(_compute_dtype(x.dtype)), axes) for p in parts]
-    return [p for p, _ in laid], laid[0][1]
-
-
-def _pad_slices(p, axis, size):
-    """Slices padded to `size` with copies of their first element (docs section 5)."""
-    fill = list(p.shape)
-    fill[axis] = size - p.shape[axis]
-    first = lax.slice_in_dim(p, 0, 1, axis=axis)
-    return jnp.concatenate([p, jnp.broadcast_to(first, fill)], axis)
 
 
 def moments(x, axes, keepdims=False, *, ddof=0):
