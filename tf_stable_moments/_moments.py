@@ -131,14 +131,13 @@ def _slice_moments_xla(axis, ddof, parts, count=None):
             spec += [tf.TensorSpec([], tf.int64)] + [tf.TensorSpec([], dtype)] * 6
 
             def fn(*args):
-                parts, (n, *pairs) = args[: len(spec) - 7], args[len(spec) - 7 :]
-                count = _kernel.Counts(n, tuple(pairs[0:2]), tuple(pairs[2:4]), tuple(pairs[4:6]))
-                return _slice_moments_plain(axis, ddof, *parts, xla=True, count=count)
+                count = _unflatten_counts(*args[-7:])
+                return _slice_moments_plain(axis, ddof, *args[:-7], xla=True, count=count)
 
         _compiled[key] = tf.function(fn, input_signature=spec, jit_compile=True)
     if count is None:
         return _compiled[key](*parts)
-    return _compiled[key](*parts, count.n, *count.rn, *count.rd, *count.pair)
+    return _compiled[key](*parts, *_flatten_counts(count))
 
 
 _counts_compiled = {}
@@ -160,13 +159,19 @@ def _counts(n, ddof, dtype):
         fmt = _kernel.FORMATS[dtype]
 
         def fn(n):
-            count = _kernel.counts(n, ddof, fmt)
-            return (count.n, *count.rn, *count.rd, *count.pair)
+            return _flatten_counts(_kernel.counts(n, ddof, fmt))
 
         spec = [tf.TensorSpec([], tf.int64)]
         _counts_compiled[key] = tf.function(fn, input_signature=spec, jit_compile=True)
-    n, *pairs = _counts_compiled[key](tf.cast(n, tf.int64))
-    return _kernel.Counts(n, tuple(pairs[0:2]), tuple(pairs[2:4]), tuple(pairs[4:6]))
+    return _unflatten_counts(*_counts_compiled[key](tf.cast(n, tf.int64)))
+
+
+def _flatten_counts(count):
+    return (count.n, *count.rn, *count.rd, *count.pair)
+
+
+def _unflatten_counts(n, rn_h, rn_l, rd_h, rd_l, pair_h, pair_l):
+    return _kernel.Counts(n, (rn_h, rn_l), (rd_h, rd_l), (pair_h, pair_l))
 
 
 # XLA compiles the kernel once per concrete shape (about a second each), so
