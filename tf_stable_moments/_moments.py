@@ -213,10 +213,9 @@ def _power_of_two_slices(static, axis):
     return kept is not None and kept <= 256 and n * kept >= 1 << 20
 
 
-def _sizes(x, axis):
+def _sizes(x, axis, dims):
     """The padded [rows, columns] the kernel runs on, or None for the exact shape."""
     static = x.shape.as_list()
-    dims = _dims(x)
     bucket = [d is None for d in static]
     if None not in static and tf.executing_eagerly():
         seen = _exact_shapes.setdefault((axis, x.dtype), set())
@@ -236,10 +235,10 @@ def _sizes(x, axis):
 def _bucketed(parts, axis, ddof):
     """(parts, count, kept): parts padded to _sizes, with their Counts if slices are padded
     (else None) and the kept length if the kept axis is padded (else None)."""
-    sizes = _sizes(parts[0], axis)
+    dims = _dims(parts[0])
+    sizes = _sizes(parts[0], axis, dims)
     if sizes is None:
         return parts, None, None
-    dims = _dims(parts[0])
     padded = [_pad(p, axis, dims, sizes) for p in parts]
     count = _counts(dims[axis], ddof, parts[0].dtype) if _differs(sizes[axis], dims[axis]) else None
     kept = dims[1 - axis] if _differs(sizes[1 - axis], dims[1 - axis]) else None
