@@ -23,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 import jax_kernel  # noqa: E402
 import tf_stable_moments  # noqa: E402
+from tf_stable_moments import _kernel  # noqa: E402
 
 CASES = [
     ("[4096,4096] axis 1", (4096, 4096), (1,)),
@@ -34,6 +35,8 @@ CASES = [
 ]
 # First calls of a tf.function with an unknown batch size: XLA compiles once per bucket.
 BATCH_SIZES = (100, 101, 102, 103, 120, 128, 64, 33, 34, 35)
+# Inputs of at least this many elements also time the kernel's passes (stages()).
+STAGE_MIN_SIZE = 1 << 22
 QUICK_CASES = [
     ("[512,512] axis 1", (512, 512), (1,)),
     ("[16,8,8,16] axes 0,1,2", (16, 8, 8, 16), (0, 1, 2)),
@@ -70,6 +73,49 @@ def implementations(axes, rank):
         "note reference JAX jit": ("jax", jax.jit(lambda v: note_reference(v, axes))),
         "jnp.var JAX jit": ("jax", jax.jit(lambda v: (jnp.mean(v, axes), jnp.var(v, axis=axes)))),
         "jnp.sum JAX jit (floor)": ("jax", jax.jit(lambda v: jnp.sum(v, axis=axes))),
+    }
+
+
+def stages(axes, rank):
+    """The kernel's passes as separate XLA computations (TF, float32, 2-D layout).
+
+    Each runs the kernel's own functions on the same layout as the kernel, so
+    together they show where its time goes: max and min (step 0), the shift
+    pass (steps 0-2: scale, shift, tree), and one compensated tree over an input
+    that costs nothing to produce (the arithmetic and memory of the tree alone;
+    the kernel runs two).  Only for inputs whose slice length is a power of two
+    (no padding), and large enough that a call's dispatch is negligible.
+    """
+    ax = list(axes)
+    fmt = _kernel.FORMATS[tf.float32]
+    leading = ax == list(range(len(ax)))
+    axis = 0 if leading else 1
+
+    def layout(v):
+        n = int(np.prod([v.shape[a] for a in ax]))
+        return tf.reshape(v, [n, -1] if leading else [-1, n])
+
+    def max_min(v):
+        amax, _ = _kernel.classify(layout(v), axis)
+        return _kernel.scale_exponent(amax, fmt)
+
+    def shift_pass(v):
+        x = layout(v)
+        e = max_min(v)
+        count = _kernel.counts(x.shape[axis], 0, fmt)
+        return _kernel.part_sums(x, e, count.rn, axis, fmt, True)[2]
+
+    def one_tree(v):
+        x = layout(v)
+        return _kernel.tree_sum(x, x * 0.5, axis, True)
+
+    def xla(fn):
+        return tf.function(fn, jit_compile=True)
+
+    return {
+        "stage XLA: max and min": ("tf", xla(max_min)),
+        "stage XLA: shift pass": ("tf", xla(shift_pass)),
+        "stage XLA: one tree": ("tf", xla(one_tree)),
     }
 
 
@@ -110,6 +156,11 @@ def bench_case(label, shape, axes, reps):
     x = np.random.default_rng(0).normal(1e6, 1.0, shape).astype(np.float32)
     inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
     impls = implementations(axes, len(shape))
+    n = int(np.prod([shape[a] for a in axes]))
+    contiguous = axes in (tuple(range(len(axes))), tuple(range(len(shape) - len(axes), len(shape))))
+    # Each stage is a call of its own: only where a call's dispatch (~0.1 ms) is negligible.
+    if n & (n - 1) == 0 and contiguous and x.size >= STAGE_MIN_SIZE:
+        impls.update(stages(axes, len(shape)))
     for kind, fn in impls.values():  # warm up: trace and compile
         _block(fn(inputs[kind]))
         _block(fn(inputs[kind]))
@@ -164,6 +215,10 @@ def ratios(result):
     out["ours XLA/reduce_sum XLA"] = m["ours XLA"] / m["reduce_sum XLA (floor)"]
     out["ours JAX/note reference"] = m["ours JAX jit"] / m["note reference JAX jit"]
     out["ours JAX/jnp.var"] = m["ours JAX jit"] / m["jnp.var JAX jit"]
+    if "stage XLA: one tree" in m:
+        # What the two trees and max/min alone cost, against tf.nn.moments under XLA.
+        floor = m["stage XLA: max and min"] + 2 * m["stage XLA: one tree"]
+        out["(max,min + 2 trees)/tf.nn.moments XLA"] = floor / m["tf.nn.moments XLA"]
     return out
 
 
@@ -187,8 +242,8 @@ def environment():
         "topology": "halving binary tree over zero padding to 2**k, TwoSum at every node, "
         "carries in a second array; 2 levels per XLA reduction; TF eager/graph: slices "
         "along axis 1 padded to 2**k (copies of the first element) before the XLA call",
-        "passes": "3 reads of x: max and min; the shift tree (SY, also the NaN test); "
-        "the squares tree",
+        "passes": "4 reads of x under XLA: max and min (two reductions); the shift tree "
+        "(SY, also the NaN test); the squares tree",
         # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
         # pages: XLA temporaries above it page-fault on every call (JAX), see README.
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
@@ -221,7 +276,7 @@ def main(argv=None):
             speed = r["input_bytes"] / t / 1e9
             print(f"  {name:28} {t * 1e3:10.2f} {speed:11.2f} {mem_s} {temp_s}")
         for k, v in r["ratios"].items():
-            print(f"  ratio {k:34} {v:6.2f}")
+            print(f"  ratio {k:40} {v:6.2f}")
     compiles = batch_size_compiles(BATCH_SIZES[:3] if args.quick else BATCH_SIZES)
     print("\nfirst / second call, tf.function with an unknown batch size, [batch, 256] axis 0:")
     for c in compiles:
