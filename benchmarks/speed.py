@@ -23,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 import jax_kernel  # noqa: E402
 import tf_stable_moments  # noqa: E402
-from tf_stable_moments import _kernel  # noqa: E402
+from tf_stable_moments import _kernel, _moments  # noqa: E402
 
 CASES = [
     ("[4096,4096] axis 1", (4096, 4096), (1,)),
@@ -76,37 +76,29 @@ def implementations(axes, rank):
     }
 
 
-def stages(axes, rank):
-    """The kernel's passes as separate XLA computations (TF, float32, 2-D layout).
+def stages(axes):
+    """The kernel's passes as separate XLA computations (TF, float32).
 
-    Each runs the kernel's own functions on the same layout as the kernel, so
+    Each runs the kernel's own functions on the wrapper's 2-D layout, so
     together they show where its time goes: max and min (step 0), the shift
     pass (steps 0-2: scale, shift, tree), and one compensated tree over an input
     that costs nothing to produce (the arithmetic and memory of the tree alone;
     the kernel runs two).  Only for inputs whose slice length is a power of two
     (no padding), and large enough that a call's dispatch is negligible.
     """
-    ax = list(axes)
     fmt = _kernel.FORMATS[tf.float32]
-    leading = ax == list(range(len(ax)))
-    axis = 0 if leading else 1
-
-    def layout(v):
-        n = int(np.prod([v.shape[a] for a in ax]))
-        return tf.reshape(v, [n, -1] if leading else [-1, n])
 
     def max_min(v):
-        amax, _ = _kernel.classify(layout(v), axis)
-        return _kernel.scale_exponent(amax, fmt)
+        x, axis = _moments._layout(v, axes)
+        return _kernel.scale_exponent(_kernel.classify(x, axis)[0], fmt)
 
     def shift_pass(v):
-        x = layout(v)
-        e = max_min(v)
+        x, axis = _moments._layout(v, axes)
         count = _kernel.counts(x.shape[axis], 0, fmt)
-        return _kernel.part_sums(x, e, count.rn, axis, fmt, True)[2]
+        return _kernel.part_sums(x, max_min(v), count.rn, axis, fmt, True)[2]
 
     def one_tree(v):
-        x = layout(v)
+        x, axis = _moments._layout(v, axes)
         return _kernel.tree_sum(x, x * 0.5, axis, True)
 
     def xla(fn):
@@ -157,10 +149,9 @@ def bench_case(label, shape, axes, reps):
     inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
     impls = implementations(axes, len(shape))
     n = int(np.prod([shape[a] for a in axes]))
-    contiguous = axes in (tuple(range(len(axes))), tuple(range(len(shape) - len(axes), len(shape))))
     # Each stage is a call of its own: only where a call's dispatch (~0.1 ms) is negligible.
-    if n & (n - 1) == 0 and contiguous and x.size >= STAGE_MIN_SIZE:
-        impls.update(stages(axes, len(shape)))
+    if n & (n - 1) == 0 and x.size >= STAGE_MIN_SIZE:
+        impls.update(stages(axes))
     for kind, fn in impls.values():  # warm up: trace and compile
         _block(fn(inputs[kind]))
         _block(fn(inputs[kind]))
