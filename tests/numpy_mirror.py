@@ -72,6 +72,10 @@ class Mirror:
         bits = np.asarray(a, self.f).view(self.i)
         return ((bits >> self.mbits) & (2 * self.bias + 1)) - self.bias
 
+    def scale_exponent(self, amax):
+        """e such that max|x| * 2**e lies in [2, 4) (step 1)."""
+        return np.clip(1 - self.exponent(amax), 1 - self.bias, self.bias).astype(self.i)
+
     def reciprocal(self, n):
         n = max(int(n), 1)
         f, c, t = self.f, (self.mbits + 1) // 2, int(n).bit_length()
@@ -157,7 +161,7 @@ def slice_moments(parts_x, ddof=0):
     his = [np.max(p, axis=1) for p in parts_x]
     los = [np.min(p, axis=1) for p in parts_x]
     amax = np.max([np.maximum(np.abs(h), np.abs(l)) for h, l in zip(his, los)], axis=0)
-    e = np.clip(1 - m.exponent(amax), 1 - m.bias, m.bias).astype(m.i)
+    e = m.scale_exponent(amax)
     with np.errstate(all="ignore"):
         parts = [m.part_sums(p, e[:, None], n) for p in parts_x]
         means, var = m.finish(parts, e, n, ddof)

@@ -30,7 +30,7 @@ def _slices(x, axes):
 def _mirror_sy(slices):
     m = numpy_mirror.Mirror(np.float32)
     amax = np.maximum(np.abs(slices.max(axis=1)), np.abs(slices.min(axis=1)))
-    e = np.clip(1 - m.exponent(amax), 1 - m.bias, m.bias).astype(m.i)
+    e = m.scale_exponent(amax)
     with np.errstate(all="ignore"):
         return e, m.part_sums(slices, e[:, None], slices.shape[1])[2]
 
