@@ -1,7 +1,10 @@
 """Speed of tf_stable_moments against tf.nn.moments, jnp.var and one memory pass.
 
 One process, interleaved repetitions after warm-up, medians and ratios side by
-side.  Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results]
+side.  Also: the fraction of slices the fast path decides (the rest take the
+exact path) on the design note's data sets and on harder ones, in TF and JAX,
+and what a call costs when some slice needs the exact path.
+Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results]
 """
 
 import argparse
@@ -23,7 +26,9 @@ import tensorflow as tf  # noqa: E402
 
 import jax_kernel  # noqa: E402
 import tf_stable_moments  # noqa: E402
-from tf_stable_moments import _kernel, _moments  # noqa: E402
+from jax_kernel import _moments as jax_moments  # noqa: E402
+from tf_stable_moments import _moments as tf_moments  # noqa: E402
+from tf_stable_moments._report import design_note_datasets  # noqa: E402
 
 CASES = [
     ("[4096,4096] axis 1", (4096, 4096), (1,)),
@@ -35,12 +40,10 @@ CASES = [
 ]
 # First calls of a tf.function with an unknown batch size: XLA compiles once per bucket.
 BATCH_SIZES = (100, 101, 102, 103, 120, 128, 64, 33, 34, 35)
-# Inputs of at least this many elements also time the kernel's passes (stages()).
-STAGE_MIN_SIZE = 1 << 22
-QUICK_CASES = [
-    ("[512,512] axis 1", (512, 512), (1,)),
-    ("[16,8,8,16] axes 0,1,2", (16, 8, 8, 16), (0, 1, 2)),
-]
+# --quick: one small shape, D2's, shared by every section (XLA compiles per shape and
+# mode, a few seconds each on a small machine: the compiles are most of its time).
+QUICK_SHAPE = (64, 1000)
+QUICK_CASES = [("[64,1000] axis 1", QUICK_SHAPE, (1,))]
 
 
 def note_reference(x, axes):
@@ -76,41 +79,6 @@ def implementations(axes, rank):
     }
 
 
-def stages(axes):
-    """The kernel's passes as separate XLA computations (TF, float32).
-
-    Each runs the kernel's own functions on the wrapper's 2-D layout, so
-    together they show where its time goes: max and min (step 0), the shift
-    pass (steps 0-2: scale, shift, tree), and one compensated tree over an input
-    that costs nothing to produce (the arithmetic and memory of the tree alone;
-    the kernel runs two).  Only for inputs whose slice length is a power of two
-    (no padding), and large enough that a call's dispatch is negligible.
-    """
-    fmt = _kernel.FORMATS[tf.float32]
-
-    def max_min(v):
-        x, axis = _moments._layout(v, axes)
-        return _kernel.scale_exponent(_kernel.classify(x, axis)[0], fmt)
-
-    def shift_pass(v):
-        x, axis = _moments._layout(v, axes)
-        count = _kernel.counts(x.shape[axis], 0, fmt)
-        return _kernel.part_sums(x, max_min(v), count.rn, axis, fmt, True)[2]
-
-    def one_tree(v):
-        x, axis = _moments._layout(v, axes)
-        return _kernel.tree_sum(x, x * 0.5, axis, True)
-
-    def xla(fn):
-        return tf.function(fn, jit_compile=True)
-
-    return {
-        "stage XLA: max and min": ("tf", xla(max_min)),
-        "stage XLA: shift pass": ("tf", xla(shift_pass)),
-        "stage XLA: one tree": ("tf", xla(one_tree)),
-    }
-
-
 def _block(out):
     for o in out if isinstance(out, (tuple, list)) else [out]:
         if isinstance(o, tf.Tensor):
@@ -132,8 +100,13 @@ def _peak_extra_bytes(fn, arg):
 
 
 def _xla_temp_bytes(fn, arg):
-    """Temporary buffer of the compiled JAX computation (exact, from XLA's buffer assignment)."""
-    return int(jax.jit(fn).lower(arg).compile().memory_analysis().temp_size_in_bytes)
+    """Temporary buffer of the compiled JAX computation (exact, from XLA's buffer
+    assignment), or None where this JAX does not report it."""
+    try:
+        analysis = jax.jit(fn).lower(arg).compile().memory_analysis()
+        return int(analysis.temp_size_in_bytes)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
 
 
 def _status(key):
@@ -148,10 +121,6 @@ def bench_case(label, shape, axes, reps):
     x = np.random.default_rng(0).normal(1e6, 1.0, shape).astype(np.float32)
     inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
     impls = implementations(axes, len(shape))
-    n = int(np.prod([shape[a] for a in axes]))
-    # Each stage is a call of its own: only where a call's dispatch (~0.1 ms) is negligible.
-    if n & (n - 1) == 0 and x.size >= STAGE_MIN_SIZE:
-        impls.update(stages(axes))
     for kind, fn in impls.values():  # warm up: trace and compile
         _block(fn(inputs[kind]))
         _block(fn(inputs[kind]))
@@ -166,11 +135,15 @@ def bench_case(label, shape, axes, reps):
     # temporary buffer is exact (JAX; TensorFlow compiles the same steps).
     temp = {name: _xla_temp_bytes(fn, inputs[k]) for name, (k, fn) in impls.items() if k == "jax"}
     med = {name: statistics.median(t) for name, t in times.items()}
+    slices = x.size // int(np.prod([shape[a] for a in axes]))
     return {
         "case": label,
         "shape": shape,
         "axes": axes,
         "input_bytes": x.nbytes,
+        # Slices of this input that the fast path leaves to the exact path (part of "ours").
+        "exact_path_slices": round(tf_moments.undecided_fraction(inputs["tf"], axes) * slices),
+        "slices": slices,
         "median_s": med,
         "min_s": {k: min(v) for k, v in times.items()},
         "peak_extra_bytes": memory,
@@ -197,6 +170,238 @@ def batch_size_compiles(sizes=BATCH_SIZES, features=256):
     return out
 
 
+# ------------------------------------------------------------- fraction decided by the fast path
+
+# Generated data sets: float32 [slices, n] along axis 1, n a power of two and not.  With
+# n = 2**k, float32 data of one binade has many exact ties, which the fast path leaves to
+# the exact path: N(1e6, 1) has an exactly halfway variance in about 1.5% of its slices
+# with n = 4096 and 30% with n = 256, and a halfway mean in 1/64 with n = 64.
+FRACTION_SHAPES = ((512, 1024), (512, 1000))
+QUICK_FRACTION_SHAPES = (QUICK_SHAPE,)
+
+
+def _cancelling(rng, shape, big):
+    """Per slice n//4 values +big and n//4 values -big (they cancel exactly), the rest
+    N(0, 1), shuffled: the mean is that of the N(0, 1) part, tiny against the bounds."""
+    rows, n = shape
+    q = n // 4
+    out = np.concatenate(
+        [np.full((rows, q), big), np.full((rows, q), -big), rng.normal(0, 1, (rows, n - 2 * q))],
+        axis=1,
+    )
+    return rng.permuted(out, axis=1)
+
+
+def _mixture(rng, shape, big):
+    """Each element +big or -big (random sign) with probability 1/2, else N(0, 1)."""
+    signs = rng.choice([-big, big], shape)
+    return np.where(rng.random(shape) < 0.5, signs, rng.normal(0, 1, shape))
+
+
+def fraction_datasets(shape, seed=0):
+    """The generated data sets of the decided-fraction table: float32, slices along axis 1."""
+    rng = np.random.default_rng(seed)
+    data = {
+        "N(0, 1)": rng.normal(0, 1, shape),
+        "N(1e6, 1)": rng.normal(1e6, 1, shape),
+        "Cauchy": rng.standard_cauchy(shape),
+        "Pareto a=1": rng.pareto(1.0, shape),
+        "+-1e30 or N(0,1), random": _mixture(rng, shape, 1e30),
+        "+-1e30 cancelling + N(0,1)": _cancelling(rng, shape, 1e30),
+        "+-1e15 or N(0,1), random": _mixture(rng, shape, 1e15),
+        "+-1e15 cancelling + N(0,1)": _cancelling(rng, shape, 1e15),
+    }
+    return {name: (x.astype(np.float32), (1,)) for name, x in data.items()}
+
+
+def decided_fractions(data):
+    """{name: (TF, JAX)}: the fraction of the slices of each (x, axes) in `data` that the
+    fast path decided, 1 - undecided_fraction, from each backend's kernel."""
+    out = {}
+    for name, (x, axes) in data.items():
+        out[name] = (
+            1.0 - tf_moments.undecided_fraction(tf.constant(x), axes),
+            1.0 - jax_moments.undecided_fraction(jax.device_put(x), axes),
+        )
+    return out
+
+
+def fraction_table(shapes):
+    """Rows of the decided-fraction table: D1-D4 of the design note, then the generated sets."""
+    sets = [(name, x, axes) for name, (x, axes) in design_note_datasets().items()]
+    for shape in shapes:
+        sets += [(name, x, axes) for name, (x, axes) in fraction_datasets(shape).items()]
+    rows = []
+    for name, x, axes in sets:
+        tf_f, jax_f = decided_fractions({name: (x, axes)})[name]
+        slices = x.size // int(np.prod([x.shape[a] for a in axes]))
+        rows.append(
+            {
+                "data": name,
+                "shape": x.shape,
+                "axes": axes,
+                "slices": slices,
+                "tf": tf_f,
+                "jax": jax_f,
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------- cost of the exact path
+
+EXACT_SHAPE = (4096, 4096)
+QUICK_EXACT_SHAPE = QUICK_SHAPE
+# --quick times only these in the exact-path table (each implementation compiles its own).
+QUICK_EXACT_IMPLS = ("ours TF eager", "ours JAX jit", "tf.nn.moments eager")
+
+
+def _decided_everywhere(x):
+    """x [slices, n] with each slice the fast path leaves undecided (along axis 1) nudged
+    by one ulp in its second element, until the fast path decides every slice."""
+    # The JAX fast path inside a jit of its own: its per-slice flags, and no compile of
+    # the computation that jax_kernel.moments runs (its first call is timed below).
+    undecided = jax.jit(lambda v: jax_moments._fast(v, (1,), 0, False)[2])
+    x = x.copy()
+    for _ in range(20):
+        with jax.enable_x64(True):
+            todo = np.asarray(undecided(jax.device_put(x)))
+        if not todo.any():
+            return x
+        rows = np.nonzero(todo)[0]
+        x[rows, 1] = np.nextafter(x[rows, 1], np.float32(np.inf))
+    raise RuntimeError("could not make every slice decided")
+
+
+def exact_path_inputs(shape, seed=0):
+    """float32 N(1e6, 1) [slices, n] variants, reduced along axis 1: every slice decided
+    (the slices whose mean or variance is an exact tie, common with n = 2**k, nudged by
+    one ulp), then one slice of it replaced by an exact tie ([0, 4097, 0, 4097, ...]) or
+    by a cancelling one (n/4 values +1e15, n/4 values -1e15, the rest N(0, 1)), and the
+    data as drawn."""
+    raw = np.random.default_rng(seed).normal(1e6, 1.0, shape).astype(np.float32)
+    clean = _decided_everywhere(raw)
+    row = shape[0] // 2
+    tie = clean.copy()  # mean 2048.5, variance 2048.5**2: exactly halfway between two floats
+    tie[row] = np.resize(np.float32([0, 4097]), shape[1])
+    cancel = clean.copy()
+    cancel[row] = _cancelling(np.random.default_rng(seed + 1), (1, shape[1]), 1e15)[0]
+    return {
+        "all decided": clean,
+        "one tie slice": tie,
+        "one cancelling slice": cancel,
+        "as drawn": raw,
+    }
+
+
+def exact_path_cost(shape, reps, only=None):
+    """Medians of calls on the exact_path_inputs variants (interleaved, after warm-up),
+    and the first call on the tie variant after warm-up on the decided one: it compiles
+    the exact path where the backend compiles it separately (TF; JAX outside jit)."""
+    variants = exact_path_inputs(shape)
+    inputs = {k: {"tf": tf.constant(x), "jax": jax.device_put(x)} for k, x in variants.items()}
+    impls = {
+        "ours TF eager": ("tf", lambda v: tf_stable_moments.moments(v, [1])),
+        "ours tf.function": ("tf", tf.function(lambda v: tf_stable_moments.moments(v, [1]))),
+        "ours JAX jit": ("jax", lambda v: jax_kernel.moments(v, (1,))),
+        "ours inside jax.jit": ("jax", jax.jit(lambda v: jax_kernel.moments(v, (1,)))),
+        "tf.nn.moments eager": ("tf", lambda v: tf.nn.moments(v, [1])),
+    }
+    impls = {k: v for k, v in impls.items() if only is None or k in only}
+    clean, tie = inputs["all decided"], inputs["one tie slice"]
+    first = {}
+    for name, (kind, fn) in impls.items():  # first calls: nothing has run on this shape yet
+        start = time.perf_counter()
+        _block(fn(clean[kind]))
+        first[name] = {"first_decided_s": time.perf_counter() - start}
+        _block(fn(clean[kind]))
+        for label in ("first_tie_s", "second_tie_s"):
+            start = time.perf_counter()
+            _block(fn(tie[kind]))
+            first[name][label] = time.perf_counter() - start
+    for kind, fn in impls.values():  # warm up on the timed inputs
+        for v in inputs.values():
+            _block(fn(v[kind]))
+    times = {(name, k): [] for name in impls for k in variants}
+    for _ in range(reps):  # interleaved over implementations and variants
+        for k, v in inputs.items():
+            for name, (kind, fn) in impls.items():
+                start = time.perf_counter()
+                _block(fn(v[kind]))
+                times[(name, k)].append(time.perf_counter() - start)
+    med = {name: {k: statistics.median(times[(name, k)]) for k in variants} for name in impls}
+    exact_slices = {
+        k: round(tf_moments.undecided_fraction(v["tf"], (1,)) * shape[0]) for k, v in inputs.items()
+    }
+    return {
+        "shape": shape,
+        "axes": (1,),
+        "exact_path_slices": exact_slices,
+        "median_s": med,
+        "first_calls": first,
+    }
+
+
+def print_exact_path_cost(r, reps):
+    shape = r["shape"]
+    print(
+        f"\ncost of the exact path: [{shape[0]},{shape[1]}] float32 N(1e6, 1) along axis 1, "
+        f"median ms of {reps} interleaved runs after warm-up (ratio to 'all decided')"
+    )
+    variants = list(r["exact_path_slices"])
+    print(
+        "  (all decided: as drawn with its exact ties nudged by one ulp; one tie slice: one"
+        " slice [0, 4097, 0, 4097, ...];\n   one cancelling slice: one slice of n/4 x +1e15,"
+        " n/4 x -1e15, n/2 x N(0,1); as drawn: N(1e6, 1) itself)"
+    )
+    for k in variants:
+        print(f"  {k:22} {r['exact_path_slices'][k]:5d} of {shape[0]} slices take the exact path")
+    head = "".join(f" {k:>22}" for k in variants)
+    print(f"  {'implementation':22}{head}")
+    for name, med in r["median_s"].items():
+        base = med["all decided"]
+        cells = "".join(
+            f" {med[k] * 1e3:14.2f} ({med[k] / base:5.2f})"
+            if k != "all decided"
+            else f" {med[k] * 1e3:22.2f}"
+            for k in variants
+        )
+        print(f"  {name:22}{cells}")
+    print(
+        "\nfirst calls on this shape (ms; rows in the order run, nothing ran on this shape"
+        " before): the first call with every slice decided (compiles the fast path;\n"
+        "'inside jax.jit' compiles the whole kernel, exact path included), a second one,"
+        " then the first and second call with one tie slice: first - second is the exact\n"
+        "path's compile (and trace) time where it is a computation of its own"
+        " (TF eager, tf.function, JAX outside jit)"
+    )
+    print(
+        f"  {'implementation':22} {'first, decided':>15} {'first, tie':>11} {'second, tie':>12}"
+        f" {'first - second, tie':>20}"
+    )
+    for name, f in r["first_calls"].items():
+        compile_s = f["first_tie_s"] - f["second_tie_s"]
+        print(
+            f"  {name:22} {f['first_decided_s'] * 1e3:15.1f} {f['first_tie_s'] * 1e3:11.1f} "
+            f"{f['second_tie_s'] * 1e3:12.1f} {compile_s * 1e3:20.1f}"
+        )
+
+
+def print_fractions(rows):
+    print(
+        "\nfraction of slices the fast path decides (the rest take the exact path), "
+        "TF and JAX kernels:"
+    )
+    print(f"  {'data':28} {'shape':12} {'axes':5} {'TF':>8} {'JAX':>8} {'undecided':>14}  agree")
+    for row in rows:
+        undecided = f"{round((1 - row['tf']) * row['slices'])} of {row['slices']}"
+        agree = "yes" if row["tf"] == row["jax"] else "NO"
+        print(
+            f"  {row['data']:28} {str(list(row['shape'])):12} {str(row['axes']):5} "
+            f"{row['tf']:8.4f} {row['jax']:8.4f} {undecided:>14}  {agree}"
+        )
+
+
 def ratios(result):
     m = result["median_s"]
     out = {}
@@ -206,10 +411,6 @@ def ratios(result):
     out["ours XLA/reduce_sum XLA"] = m["ours XLA"] / m["reduce_sum XLA (floor)"]
     out["ours JAX/note reference"] = m["ours JAX jit"] / m["note reference JAX jit"]
     out["ours JAX/jnp.var"] = m["ours JAX jit"] / m["jnp.var JAX jit"]
-    if "stage XLA: one tree" in m:
-        # What the two trees and max/min alone cost, against tf.nn.moments under XLA.
-        floor = m["stage XLA: max and min"] + 2 * m["stage XLA: one tree"]
-        out["(max,min + 2 trees)/tf.nn.moments XLA"] = floor / m["tf.nn.moments XLA"]
     return out
 
 
@@ -230,18 +431,37 @@ def environment():
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
         "TF_XLA_FLAGS": os.environ.get("TF_XLA_FLAGS", ""),
         "jax_backend": jax.default_backend(),
-        "topology": "halving binary tree over zero padding to 2**k, TwoSum at every node, "
-        "carries in a second array; 2 levels per XLA reduction; TF eager/graph: slices "
-        "along axis 1 padded to 2**k (copies of the first element) before the XLA call",
-        "passes": "4 reads of x under XLA: max and min (two reductions); the shift tree "
-        "(SY, also the NaN test); the squares tree",
+        "design": "per slice a float64 approximation of mean and variance (float64 pairs "
+        "for float64 input) with a rigorous error bound; a rounding test decides the "
+        "correctly rounded result; undecided slices and slices with NaN/Inf take the exact "
+        "integer path (moments_core/_kernel.py, _exact.py). TF eager/graph and JAX outside "
+        "jit: fast and exact path are separate XLA computations, the exact one runs only "
+        "when some slice is undecided; under jit_compile / jax.jit both are one computation "
+        "(the exact path a while loop with no iteration when every slice is decided)",
         # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
         # pages: XLA temporaries above it page-fault on every call (JAX), see README.
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "accumulator_precision": "float32 double-float (hi + lo), no float64",
-        "correction_precision": "double-float two-term correction and reciprocal pairs",
-        "data": "N(1e6, 1) float32",
+        "data": "N(1e6, 1) float32 (timings)",
     }
+
+
+def print_case(r, reps):
+    print(f"\n{r['case']}  ({r['input_bytes'] / 2**20:.0f} MiB, median of {reps} interleaved runs)")
+    print(
+        f"  {r['exact_path_slices']} of {r['slices']} slices of this input take the exact path"
+        " (in every 'ours' row)"
+    )
+    head = f"{'implementation':32} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>10}"
+    print(f"  {head} {'XLA temp MiB':>13}")
+    for name, t in r["median_s"].items():
+        mem = r["peak_extra_bytes"][name]
+        mem_s = f"{mem / 2**20:10.1f}" if mem is not None else f"{'n/a':>10}"
+        temp = r["xla_temp_bytes"].get(name)
+        temp_s = f"{temp / 2**20:13.1f}" if temp is not None else f"{'':>13}"
+        speed = r["input_bytes"] / t / 1e9
+        print(f"  {name:32} {t * 1e3:10.2f} {speed:11.2f} {mem_s} {temp_s}")
+    for k, v in r["ratios"].items():
+        print(f"  ratio {k:40} {v:6.2f}")
 
 
 def main(argv=None):
@@ -250,37 +470,53 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default="results")
     args = parser.parse_args(argv)
-    cases, reps = (QUICK_CASES, 3) if args.quick else (CASES, args.reps)
+    quick = args.quick
+    cases, reps = (QUICK_CASES, 3) if quick else (CASES, args.reps)
+    start = time.perf_counter()
+    print(f"cpu: {environment()['cpu']}, {os.cpu_count()} cores; jax {jax.default_backend()}")
+    # First, so that no earlier call has compiled the exact path for its shape.
+    section = time.perf_counter()
+    exact_shape, only = (QUICK_EXACT_SHAPE, QUICK_EXACT_IMPLS) if quick else (EXACT_SHAPE, None)
+    exact = exact_path_cost(exact_shape, reps, only)
+    print_exact_path_cost(exact, reps)
+    section = _took(section)
     results = []
     for label, shape, axes in cases:
         r = bench_case(label, shape, axes, reps)
         r["ratios"] = ratios(r)
         results.append(r)
-        print(f"\n{label}  ({r['input_bytes'] / 2**20:.0f} MiB, median of {reps} interleaved runs)")
-        head = f"{'implementation':28} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>10}"
-        print(f"  {head} {'XLA temp MiB':>13}")
-        for name, t in r["median_s"].items():
-            mem = r["peak_extra_bytes"][name]
-            mem_s = f"{mem / 2**20:10.1f}" if mem is not None else f"{'n/a':>10}"
-            temp = r["xla_temp_bytes"].get(name)
-            temp_s = f"{temp / 2**20:13.1f}" if temp is not None else f"{'':>13}"
-            speed = r["input_bytes"] / t / 1e9
-            print(f"  {name:28} {t * 1e3:10.2f} {speed:11.2f} {mem_s} {temp_s}")
-        for k, v in r["ratios"].items():
-            print(f"  ratio {k:40} {v:6.2f}")
-    compiles = batch_size_compiles(BATCH_SIZES[:3] if args.quick else BATCH_SIZES)
+        print_case(r, reps)
+        section = _took(section)
+    compiles = batch_size_compiles(BATCH_SIZES[:2] if quick else BATCH_SIZES)
     print("\nfirst / second call, tf.function with an unknown batch size, [batch, 256] axis 0:")
     for c in compiles:
         print(
             f"  batch {c['batch']:4d}: {c['first_s'] * 1e3:8.1f} ms / {c['second_s'] * 1e3:6.1f} ms"
         )
+    section = _took(section)
+    fractions = fraction_table(QUICK_FRACTION_SHAPES if quick else FRACTION_SHAPES)
+    print_fractions(fractions)
+    _took(section)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "speed.json")
     with open(path, "w") as f:
         record = {"environment": environment(), "reps": reps, "results": results}
-        json.dump(dict(record, batch_size_compiles=compiles), f, indent=1)
-    print(f"\nwrote {path}")
+        record.update(batch_size_compiles=compiles, exact_path=_jsonable(exact))
+        json.dump(dict(record, decided_fractions=fractions), f, indent=1)
+    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
     return results
+
+
+def _took(since):
+    """Print the seconds since `since` (compiles included) and return now."""
+    now = time.perf_counter()
+    print(f"  (section: {now - since:.0f} s, compiles included)")
+    return now
+
+
+def _jsonable(r):
+    """The exact-path record with its (implementation, variant) tables as nested dicts."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in r.items()}
 
 
 if __name__ == "__main__":

@@ -1,24 +1,25 @@
 """Public JAX wrapper: validate and canonicalise, then call the jitted kernel."""
 
 import functools
-import operator
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_kernel import _kernel
+from jax_kernel import _ops
+from moments_core import _kernel
+from moments_core._formats import FORMATS
+from moments_core._validate import canonical_axes, check_ddof
 
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def _compute_dtype(dtype):
-    """The dtype policy: float16/bfloat16 are computed in float32, complex by parts."""
+    """The dtype policy: each real format is its own target format; complex by parts."""
     dtype = np.dtype(dtype)
-    if dtype in _HALF_DTYPES:
-        return np.dtype(np.float32)
-    if dtype in (np.dtype(np.float32), np.dtype(np.float64)):
+    if dtype in _HALF_DTYPES or dtype in (np.dtype(np.float32), np.dtype(np.float64)):
         return dtype
     if dtype == np.dtype(np.complex64):
         return np.dtype(np.float32)
@@ -31,30 +32,11 @@ def _compute_dtype(dtype):
 
 
 def _canonical_axes(axes, ndim):
-    if axes is None:
-        return tuple(range(ndim))
-    if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool):
-        axes = (axes,)
-    try:
-        axes = tuple(operator.index(a) for a in axes)
-    except TypeError:
-        raise TypeError(
-            f"moments: axes must be an int or a sequence of ints; got {axes!r}"
-        ) from None
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"moments: axis {a} is out of range for an input of rank {ndim}")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"moments: axes contains a repeated axis; got axes={axes}")
-    return tuple(sorted(out))
+    return canonical_axes(axes, ndim)
 
 
 def _check_ddof(ddof):
-    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)) or ddof < 0:
-        raise ValueError(f"moments: ddof must be a non-negative int; got ddof={ddof!r}")
-    return int(ddof)
+    return check_ddof(ddof)
 
 
 def _layout(x, axes):
@@ -70,52 +52,92 @@ def _layout(x, axes):
     return x.reshape(rest, n), 1
 
 
-def _padded_length(n, kept, axis):
-    """n, or the next power of two where XLA's own padding of the tree is slow.
-
-    The same policy as the TensorFlow wrapper (tf_stable_moments/_moments.py):
-    along axis 1 always, along axis 0 for rows of at most 256 elements and
-    inputs of at least 2**20 elements.  XLA fuses this padding into the kernel,
-    and it still helps ([4000, 4000] along axis 1: 294 ms, padded 53 ms).
-    """
-    if n <= 1 or n & (n - 1) == 0:
-        return n
-    if axis == 1 or (kept <= 256 and n * kept >= 1 << 20):
-        return 1 << (n - 1).bit_length()
-    return n
-
-
-def _pad_slices(p, axis, size):
-    """Slices padded to `size` with copies of their first element (docs section 5)."""
-    fill = list(p.shape)
-    fill[axis] = size - p.shape[axis]
-    first = lax.slice_in_dim(p, 0, 1, axis=axis)
-    return jnp.concatenate([p, jnp.broadcast_to(first, fill)], axis)
-
-
 def _out_shape(shape, axes, keepdims):
     if keepdims:
         return tuple(1 if a in axes else d for a, d in enumerate(shape))
     return tuple(d for a, d in enumerate(shape) if a not in axes)
 
 
-def stats(x, axes, ddof):
-    """(mean_hi, mean_lo, var) in the compute dtype, shaped like the kept axes."""
+def _exact_only():
+    """Test switch: TF_STABLE_MOMENTS_EXACT_ONLY=1 sends every slice through the exact path."""
+    return os.environ.get("TF_STABLE_MOMENTS_EXACT_ONLY", "0") == "1"
+
+
+def _kernel_parts(x, axes):
+    """(parts, axis, fmt, work): x's real parts laid out in 2-D, in their target format."""
+    work = _compute_dtype(x.dtype)
     parts = [x] if not jnp.iscomplexobj(x) else [jnp.real(x), jnp.imag(x)]
-    laid = [_layout(p.astype(_compute_dtype(x.dtype)), axes) for p in parts]
-    parts, axis = [p for p, _ in laid], laid[0][1]
-    n = parts[0].shape[axis]
-    size = _padded_length(n, parts[0].shape[1 - axis], axis)
-    if size != n:
-        parts = [_pad_slices(p, axis, size) for p in parts]
-    means, var = _kernel.slice_moments(parts, axis, ddof, n)
+    laid = [_layout(p.astype(work), axes) for p in parts]
+    return [p for p, _ in laid], laid[0][1], FORMATS[work.name], work
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fast(x, axes, ddof, exact_only):
+    parts, axis, fmt, _ = _kernel_parts(x, axes)
+    with jax.enable_x64(True):
+        return _kernel.fast_moments(_ops, parts, axis, ddof, fmt, None, exact_only)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _exact(x, axes, ddof, todo, means, var, sums):
+    parts, axis, fmt, _ = _kernel_parts(x, axes)
+    with jax.enable_x64(True):
+        return _kernel.exact_fix(
+            _ops, parts, axis, ddof, fmt, None, todo, list(means), var, list(sums)
+        )
+
+
+def _concrete_moments(x, axes, keepdims, ddof, exact_only):
+    """moments of a concrete array: the fast path, then the exact path only if needed
+    (two XLA computations: a shape whose slices are all decided never compiles the
+    exact path)."""
+    work = _compute_dtype(x.dtype)
+    with jax.enable_x64(True):
+        means, var, todo, sums = _fast(x, axes, ddof, exact_only)
+        if bool(jnp.any(todo)):
+            means, var = _exact(x, axes, ddof, todo, means, var, sums)
+        means = [m.astype(work) for m in means]
+        var = var.astype(work)
+    mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
+    shape = _out_shape(x.shape, axes, keepdims)
+    return mean.reshape(shape), var.reshape(shape)
+
+
+def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False):
+    """(mean, mean_lo, var) in the target format, shaped like the kept axes.
+
+    mean and var are correctly rounded (moments_core/_kernel.py, with 64-bit
+    types enabled for the kernel only); mean_lo (None unless lo) is
+    mean(x) - mean from a deterministic fixed-point sum.  With undecided=True,
+    also the number of slices the fast path left to the exact path.
+    """
+    parts, axis, fmt, work = _kernel_parts(x, axes)
+    with jax.enable_x64(True):
+        means, var, count = _kernel.slice_moments(_ops, parts, axis, ddof, fmt, None, exact_only)
+        lows = None
+        if lo:
+            lows = [_kernel.mean_lo(_ops, p, axis, m, var, ddof, fmt) for p, m in zip(parts, means)]
+            lows = [m.astype(work) for m in lows]
+        means = [m.astype(work) for m in means]
+        var = var.astype(work)
+        count = count.astype(np.int32)
     shape = _out_shape(x.shape, axes, False)
-    if len(means) == 1:
-        mh, ml = means[0]
-    else:
-        mh = lax.complex(means[0][0], means[1][0])
-        ml = lax.complex(means[0][1], means[1][1])
-    return mh.reshape(shape), ml.reshape(shape), var.reshape(shape)
+    mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
+    mean_lo = None
+    if lo:
+        mean_lo = lows[0] if len(lows) == 1 else lax.complex(lows[0], lows[1])
+        mean_lo = mean_lo.reshape(shape)
+    out = (mean.reshape(shape), mean_lo, var.reshape(shape))
+    return out + (count,) if undecided else out
+
+
+def undecided_fraction(x, axes, ddof=0):
+    """The fraction of slices of x that the fast path left to the exact path (diagnostics)."""
+    x = jnp.asarray(x)
+    axes = _canonical_axes(axes, x.ndim)
+    count = jax.jit(stats, static_argnums=(1, 2, 3, 4, 5))(x, axes, ddof, False, False, True)[3]
+    kept = int(np.prod([x.shape[a] for a in range(x.ndim) if a not in axes]))
+    return int(count) / max(kept, 1)
 
 
 def residuals(x, mean_hi, mean_lo, axes):
@@ -125,31 +147,32 @@ def residuals(x, mean_hi, mean_lo, axes):
     return ((x - lax.stop_gradient(mean_hi)) - lax.stop_gradient(mean_lo)) - linear
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _moments_real(x, axes, ddof):
-    mh, _, var = stats(x, axes, ddof)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _moments_real(x, axes, ddof, exact_only):
+    mh, _, var = stats(x, axes, ddof, False, exact_only)
     return mh, var
 
 
 @_moments_real.defjvp
-def _moments_real_jvp(axes, ddof, primals, tangents):
+def _moments_real_jvp(axes, ddof, exact_only, primals, tangents):
     (x,), (dx,) = primals, tangents
-    mh, ml, var = stats(x, axes, ddof)
+    mh, ml, var = stats(x, axes, ddof, True, exact_only)
     n = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
     r = residuals(x, jnp.expand_dims(mh, axes), jnp.expand_dims(ml, axes), axes)
+    # A slice with NaN or Inf gets a zero variance gradient: its NaN residuals must
+    # not reach other slices through the transposed product (0 * NaN).
+    r = jnp.where(jnp.expand_dims(jnp.isfinite(var), axes), r, jnp.zeros_like(r))
     dmean = jnp.sum(dx, axis=axes) / n
     dvar = 2 * jnp.sum(r * dx, axis=axes) / (n - ddof)
     return (mh, var), (dmean.astype(mh.dtype), dvar.astype(var.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _moments(x, axes, keepdims, ddof):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _moments(x, axes, keepdims, ddof, exact_only):
     if jnp.iscomplexobj(x):
-        mh, _, var = stats(x, axes, ddof)
-        mean = mh
+        mean, _, var = stats(x, axes, ddof, False, exact_only)
     else:
-        mean, var = _moments_real(x.astype(_compute_dtype(x.dtype)), axes, ddof)
-        mean, var = mean.astype(x.dtype), var.astype(x.dtype)
+        mean, var = _moments_real(x, axes, ddof, exact_only)
     shape = _out_shape(x.shape, axes, keepdims)
     return mean.reshape(shape), var.reshape(shape)
 
@@ -159,8 +182,9 @@ def moments(x, axes, keepdims=False, *, ddof=0):
 
     Same semantics as ``tf_stable_moments.moments`` (without `shift`): the
     variance is sum((x - mean)**2) / (n - ddof) with n the number of reduced
-    elements, rounded once; the mean is rounded once.  float16 and bfloat16
-    are computed in float32 and cast back; complex inputs give a complex mean
+    elements, rounded once; the mean is rounded once, each certified (docs
+    section 5).  float16 and bfloat16 results are correctly rounded to their own
+    format; complex inputs give a complex mean
     and the real variance E|z - mean z|**2.  Works under jax.jit, jax.vmap,
     jax.grad, jax.jvp and jax.hessian (real inputs).
 
@@ -182,4 +206,6 @@ def moments(x, axes, keepdims=False, *, ddof=0):
     _compute_dtype(x.dtype)
     axes = _canonical_axes(axes, x.ndim)
     ddof = _check_ddof(ddof)
-    return _moments(x, axes, bool(keepdims), ddof)
+    if not isinstance(x, jax.core.Tracer):
+        return _concrete_moments(x, axes, bool(keepdims), ddof, _exact_only())
+    return _moments(x, axes, bool(keepdims), ddof, _exact_only())

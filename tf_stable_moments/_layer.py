@@ -84,7 +84,7 @@ import math
 import keras
 from keras import ops
 
-from tf_stable_moments._kernel import two_sum
+from moments_core._kernel import two_sum
 
 _BACKENDS = ("tensorflow", "jax")
 

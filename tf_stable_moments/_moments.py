@@ -1,29 +1,36 @@
-"""Public TensorFlow wrapper: validate, lay out, dispatch to XLA, differentiate."""
+"""Public TensorFlow wrapper: validate, lay out, dispatch to XLA, differentiate.
 
-import functools
+The kernel is moments_core/_kernel.py, shared with JAX; `_ops.py` gives it
+TensorFlow operations.  Every result is certified correctly rounded (the
+contract, docs/algorithm.md), so the bits do not depend on the mode.
+"""
+
 import os
+import threading
 import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context as _context
 
-from tf_stable_moments import _kernel
+from moments_core import _kernel
+from moments_core._formats import FORMATS
+from moments_core._validate import canonical_axes, check_ddof
+from tf_stable_moments import _ops
+from tf_stable_moments._xla_context import in_xla_context
 
 _COMPUTE = {
-    tf.float16: tf.float32,
-    tf.bfloat16: tf.float32,
+    tf.float16: tf.float16,
+    tf.bfloat16: tf.bfloat16,
     tf.float32: tf.float32,
     tf.float64: tf.float64,
     tf.complex64: tf.float32,
     tf.complex128: tf.float64,
 }
 
-# XLA dispatch: None = not tried yet, True = works, False = fell back to plain ops.
-_xla_state = {"ok": None}
-
 
 def _compute_dtype(dtype):
-    """The dtype policy: float16/bfloat16 are computed in float32, complex by parts."""
+    """The dtype policy: each real format is its own target format; complex by parts."""
     if dtype not in _COMPUTE:
         raise TypeError(
             "moments: x must have a floating or complex dtype (float16, bfloat16, float32, "
@@ -33,34 +40,16 @@ def _compute_dtype(dtype):
 
 
 def _canonical_axes(axes, ndim):
-    if axes is None:
-        return tuple(range(ndim))
     if isinstance(axes, tf.Tensor):
-        axes = tf.get_static_value(axes)
-        if axes is None:
+        value = tf.get_static_value(axes)
+        if value is None:
             raise ValueError("moments: axes must be known while tracing; got a dynamic tensor")
-    if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool):
-        axes = (axes,)
-    try:
-        axes = tuple(int(a) for a in np.asarray(axes).ravel())
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"moments: axes must be an int or a sequence of ints; got {axes!r}"
-        ) from None
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"moments: axis {a} is out of range for an input of rank {ndim}")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"moments: axes contains a repeated axis; got axes={axes}")
-    return tuple(sorted(out))
+        axes = value
+    return canonical_axes(axes, ndim)
 
 
 def _check_ddof(ddof):
-    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)) or ddof < 0:
-        raise ValueError(f"moments: ddof must be a non-negative int; got ddof={ddof!r}")
-    return int(ddof)
+    return check_ddof(ddof)
 
 
 def _dims(x):
@@ -108,109 +97,129 @@ def _out_shape(x, axes, keepdims):
     return tf.stack(shape) if any(tf.is_tensor(d) for d in shape) else shape
 
 
-def _slice_moments_plain(axis, ddof, *parts, xla=False, count=None):
-    means, var = _kernel.slice_moments(list(parts), axis, ddof, xla, count)
-    return tuple(m for pair in means for m in pair) + (var,)
+def _exact_only():
+    """Test switch: TF_STABLE_MOMENTS_EXACT_ONLY=1 sends every slice through the exact path."""
+    return os.environ.get("TF_STABLE_MOMENTS_EXACT_ONLY", "0") == "1"
 
 
-_compiled = {}
+def _kernel_outputs(ops, parts, axis, ddof, n=None, lo=False, exact_only=False):
+    """(mean per part, var, [mean_lo], undecided) in the parts' dtype: the kernel itself."""
+    dtype = parts[0].dtype
+    fmt = FORMATS[dtype.name]
+    means, var, undecided = _kernel.slice_moments(ops, parts, axis, ddof, fmt, n, exact_only)
+    out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
+    if lo:
+        lows = [_kernel.mean_lo(ops, p, axis, m, var, ddof, fmt, n) for p, m in zip(parts, means)]
+        out += [tf.cast(m, dtype) for m in lows]
+    return tuple(out) + (undecided,)
 
 
-def _slice_moments_xla(axis, ddof, parts, count=None):
-    """The kernel as one XLA computation: traced once, compiled per concrete shape.
-
-    count: None, or the kernel's Counts of bucketed slices, passed in as scalars.
-    """
-    key = (axis, ddof, len(parts), parts[0].dtype, count is not None)
-    if key not in _compiled:
-        dtype = parts[0].dtype
-        spec = [tf.TensorSpec([None, None], dtype)] * len(parts)
-        if count is None:
-            fn = lambda *p: _slice_moments_plain(axis, ddof, *p, xla=True)  # noqa: E731
-        else:
-            spec += [tf.TensorSpec([], tf.int64)] + [tf.TensorSpec([], dtype)] * 6
-
-            def fn(*args):
-                count = _unflatten_counts(*args[-7:])
-                return _slice_moments_plain(axis, ddof, *args[:-7], xla=True, count=count)
-
-        _compiled[key] = tf.function(fn, input_signature=spec, jit_compile=True)
-    if count is None:
-        return _compiled[key](*parts)
-    return _compiled[key](*parts, *_flatten_counts(count))
+# Compiled functions are kept per TensorFlow context (a reset context starts afresh) and
+# hold no tensor: nothing built in one graph or context is used in another.
+_lock = threading.Lock()
+_cache = {"context": None, "functions": {}, "exact_shapes": {}}
 
 
-_counts_compiled = {}
+def _context_cache():
+    ctx = _context.context()
+    with _lock:
+        if _cache["context"] is not ctx:
+            _cache.update(context=ctx, functions={}, exact_shapes={})
+        return _cache
 
 
-@functools.lru_cache(maxsize=256)
-def _host_counts(n, ddof, dtype):
-    with tf.init_scope():
-        count = _kernel.counts(n, ddof, _kernel.FORMATS[dtype])
-        return count._replace(n=tf.constant(n, tf.int64))
+def _compiled(key, fn, spec):
+    """A jit_compile tf.function of the current context, traced once per key."""
+    functions = _context_cache()["functions"]
+    with _lock:
+        if key not in functions:
+            functions[key] = tf.function(
+                fn, input_signature=spec, jit_compile=True, autograph=False
+            )
+        return functions[key]
 
 
-def _counts(n, ddof, dtype):
-    """The kernel's Counts of n elements, computed by XLA apart from the kernel."""
-    if isinstance(n, int):  # on the host
-        return _host_counts(n, ddof, dtype)
-    key = (ddof, dtype)
-    if key not in _counts_compiled:
-        fmt = _kernel.FORMATS[dtype]
+def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
+    """The kernel as XLA computations of its own, each traced once and compiled per shape:
+    the fast path, then (only if a slice is undecided) the exact path, then mean_lo."""
+    exact_only = _exact_only()
+    dtype, k = parts[0].dtype, len(parts)
+    fmt = FORMATS[dtype.name]
+    key = (axis, ddof, k, dtype, n is not None)
+    spec = [tf.TensorSpec([None, None], dtype)] * k + (
+        [tf.TensorSpec([], tf.int64)] if n is not None else []
+    )
+    results = [tf.TensorSpec([None], tf.float64)] * (k + 1)
+    data = list(parts) + ([tf.cast(n, tf.int64)] if n is not None else [])
 
-        def fn(n):
-            return _flatten_counts(_kernel.counts(n, ddof, fmt))
+    def split(args):
+        return args[:k], (args[k] if n is not None else None), args[k + (n is not None) :]
 
-        spec = [tf.TensorSpec([], tf.int64)]
-        _counts_compiled[key] = tf.function(fn, input_signature=spec, jit_compile=True)
-    return _unflatten_counts(*_counts_compiled[key](tf.cast(n, tf.int64)))
+    def fast(*args):
+        p, count, _ = split(args)
+        means, var, todo, sums = _kernel.fast_moments(
+            _ops.XLA, p, axis, ddof, fmt, count, exact_only
+        )
+        return (*means, var, todo, tf.reduce_sum(tf.cast(todo, tf.int64)), *sums)
+
+    def exact(*args):
+        p, count, rest = split(args)
+        todo, means, var, sums = rest[0], list(rest[1 : k + 1]), rest[k + 1], rest[k + 2 :]
+        means, var = _kernel.exact_fix(_ops.XLA, p, axis, ddof, fmt, count, todo, means, var, sums)
+        return (*means, var)
+
+    def lows(*args):
+        p, count, rest = split(args)
+        return tuple(
+            _kernel.mean_lo(_ops.XLA, x, axis, m, rest[k], ddof, fmt, count)
+            for x, m in zip(p, rest[:k])
+        )
+
+    out = _compiled(("fast", exact_only, *key), fast, spec)(*data)
+    means, var, todo, undecided = list(out[:k]), out[k], out[k + 1], out[k + 2]
+    sums = list(out[k + 3 :])
+    sums_spec = [tf.TensorSpec([None], s.dtype) for s in sums]
+    exact_fn = _compiled(
+        ("exact", *key), exact, spec + [tf.TensorSpec([None], tf.bool)] + results + sums_spec
+    )
+
+    def fixed():
+        return exact_fn(*data, todo, *means, var, *sums)
+
+    if tf.executing_eagerly():
+        fixed_out = fixed() if int(undecided) > 0 else (*means, var)
+    else:
+        fixed_out = tf.cond(undecided > 0, fixed, lambda: (*means, var))
+    means, var = list(fixed_out[:k]), fixed_out[k]
+    out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
+    if lo:
+        lo_fn = _compiled(("lo", *key), lows, spec + results)
+        out += [tf.cast(m, dtype) for m in lo_fn(*data, *means, var)]
+    return tuple(out) + (undecided,)
 
 
-def _flatten_counts(count):
-    return (count.n, *count.rn, *count.rd, *count.pair)
-
-
-def _unflatten_counts(n, rn_h, rn_l, rd_h, rd_l, pair_h, pair_l):
-    return _kernel.Counts(n, (rn_h, rn_l), (rd_h, rd_l), (pair_h, pair_l))
-
-
-# XLA compiles the kernel once per concrete shape (about a second each), so
-# shapes are bucketed (8 steps per octave): a dimension unknown while tracing
-# always, and every dimension of eager calls once EXACT_SHAPES distinct shapes
-# have been compiled for a kernel variant.  Some slices are also padded to a
-# power of two, for static shapes too (see _power_of_two_slices).  The padding
-# holds copies of each slice's first element (kernel: `count`) and zeros on the
-# kept axis: the bits are those of the unpadded slices (docs section 5).
+# XLA compiles the kernel once per concrete shape, so shapes are bucketed (8
+# steps per octave): a dimension unknown while tracing always, and every
+# dimension of eager calls once EXACT_SHAPES distinct shapes have been compiled
+# for a kernel variant.  Slices are padded with copies of their first element
+# (their differences from it are exact zeros; the kernel is told n) and the
+# kept axis with zeros (sliced off): the certified results are those of the
+# unpadded slices.  Not inside a user's XLA computation: it compiles per shape
+# anyway, and its shapes are constants there.
 EXACT_SHAPES = 8
-_exact_shapes = {}
 
 
-def _bucket(m, octave_steps):
+def _bucket(m, octave_steps=8):
     """m (an int or an int64 tensor) rounded up to one of `octave_steps` steps per octave."""
     shift = octave_steps.bit_length()  # m in (2**(t-1), 2**t]: steps of 2**(t - shift)
     if tf.is_tensor(m):
-        top = _kernel._bit_length(tf.maximum(m - 1, 0))
+        from moments_core._exact import bit_length
+
+        top = bit_length(_ops.XLA, tf.maximum(m - 1, 0))
         step = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.maximum(top - shift, 0))
         return tf.maximum((m + step - 1) // step * step, 1)
     step = 1 << max(max(m - 1, 0).bit_length() - shift, 0)
     return max(-(-m // step) * step, 1)
-
-
-def _power_of_two_slices(static, axis):
-    """Whether slices are padded to a power of two before the XLA call.
-
-    XLA's CPU code for the tree over an axis that it pads itself is slower than
-    over one padded by this wrapper (2 cores, measured): along axis 1 10-20x
-    ([4000, 4000]: 260 ms, padded 28 ms); along axis 0 up to 2-4x for narrow
-    rows, erratically ([102400, 64]: 35 ms, padded 20 ms; [70000, 64]: 10 ms,
-    padded 19 ms), and not for wide ones ([4000, 4000]: 21 ms).  Also inside a
-    user's jit_compile function, where XLA fuses this padding too, and it still
-    helps ([100, 32, 32, 64] over axes 0, 1, 2: 53 ms, padded 17 ms).
-    """
-    n, kept = static[axis], static[1 - axis]
-    if axis == 1 or n is None:  # an unknown length: the tree pads to 2**k anyway
-        return True
-    return kept is not None and kept <= 256 and n * kept >= 1 << 20
 
 
 def _sizes(x, axis, dims):
@@ -218,31 +227,28 @@ def _sizes(x, axis, dims):
     static = x.shape.as_list()
     bucket = [d is None for d in static]
     if None not in static and tf.executing_eagerly():
-        seen = _exact_shapes.setdefault((axis, x.dtype), set())
-        if tuple(static) not in seen and len(seen) >= EXACT_SHAPES:
-            bucket = [True, True]
-        else:
-            seen.add(tuple(static))
-    steps = [8, 8]
-    if _power_of_two_slices(static, axis):
-        steps[axis] = 1
-        bucket[axis] = bucket[axis] or dims[axis] & (dims[axis] - 1) != 0
+        seen = _context_cache()["exact_shapes"].setdefault((axis, x.dtype), set())
+        with _lock:
+            if tuple(static) not in seen and len(seen) >= EXACT_SHAPES:
+                bucket = [True, True]
+            else:
+                seen.add(tuple(static))
     if not any(bucket):
         return None
-    return [_bucket(d, k) if b else d for d, b, k in zip(dims, bucket, steps)]
+    return [_bucket(d) if b else d for d, b in zip(dims, bucket)]
 
 
-def _bucketed(parts, axis, ddof):
-    """(parts, count, kept): parts padded to _sizes, with their Counts if slices are padded
+def _bucketed(parts, axis):
+    """(parts, n, kept): parts padded to _sizes, the count n if slices are padded
     (else None) and the kept length if the kept axis is padded (else None)."""
     dims = _dims(parts[0])
     sizes = _sizes(parts[0], axis, dims)
     if sizes is None:
         return parts, None, None
     padded = [_pad(p, axis, dims, sizes) for p in parts]
-    count = _counts(dims[axis], ddof, parts[0].dtype) if _differs(sizes[axis], dims[axis]) else None
+    n = dims[axis] if _differs(sizes[axis], dims[axis]) else None
     kept = dims[1 - axis] if _differs(sizes[1 - axis], dims[1 - axis]) else None
-    return padded, count, kept
+    return padded, n, kept
 
 
 def _differs(a, b):
@@ -268,6 +274,10 @@ def _pad(x, axis, dims, sizes):
     return x
 
 
+# XLA dispatch: None = not tried yet, True = works, False = fell back to plain ops.
+_xla_state = {"ok": None}
+
+
 def _use_xla():
     if os.environ.get("TF_STABLE_MOMENTS_XLA", "1") == "0":
         return False
@@ -291,20 +301,24 @@ def _xla_runs(dtype):
         return False
 
 
-def _slice_moments(parts, axis, ddof):
-    """Kernel call: through an XLA-compiled function when XLA is available.
+def _slice_moments(parts, axis, ddof, lo=False):
+    """Kernel call: (mean per part, var, [mean_lo per part], undecided).
 
-    If the first XLA call fails with an error that a missing or unusable XLA
-    gives, a 1 x 1 probe decides: if the probe fails too, XLA is switched off
-    for the process (with a warning) and plain operations run; if it runs, the
-    error belongs to this call and is raised.
+    Inside a user's XLA computation the kernel is built into it.  Otherwise it
+    runs as an XLA computation of its own when XLA is available.  If the first
+    XLA call fails with an error that a missing or unusable XLA gives, a 1 x 1
+    probe decides: if the probe fails too, XLA is switched off for the process
+    (with a warning) and plain operations run; if it runs, the error belongs to
+    this call and is raised.
     """
+    if in_xla_context():
+        return _kernel_outputs(_ops.XLA, parts, axis, ddof, None, lo, _exact_only())
     if _use_xla():
         try:
-            padded, count, kept = _bucketed(parts, axis, ddof)
-            out = _slice_moments_xla(axis, ddof, padded, count)
+            padded, n, kept = _bucketed(parts, axis)
+            out = _slice_moments_xla(axis, ddof, padded, n, lo)
             _xla_state["ok"] = True
-            return out if kept is None else tuple(o[:kept] for o in out)
+            return out if kept is None else tuple(o[:kept] for o in out[:-1]) + (out[-1],)
         except _XLA_ERRORS as err:
             if _xla_state["ok"] or _xla_runs(parts[0].dtype):
                 raise
@@ -313,33 +327,59 @@ def _slice_moments(parts, axis, ddof):
                 stacklevel=3,
             )
             _xla_state["ok"] = False
+    exact_only = _exact_only()
+
+    def plain(*p):
+        return _kernel_outputs(_ops.PLAIN, p, axis, ddof, None, lo, exact_only)
+
     if not tf.executing_eagerly():
-        # Grappler (constant folding, then the arithmetic optimizer's AddN and
-        # common-factor rewrites) changes the rounding of a plain graph; run the
-        # same operations eagerly instead (a fallback: needs the Python runtime).
-        out = tf.py_function(
-            lambda *p: _slice_moments_plain(axis, ddof, *p),
-            parts,
-            Tout=[parts[0].dtype] * (2 * len(parts) + 1),
-        )
-        return tuple(tf.ensure_shape(o, [None]) for o in out)
-    return _slice_moments_plain(axis, ddof, *parts)
+        # Grappler (constant folding, the arithmetic optimizer's AddN and
+        # common-factor rewrites) would rewrite a plain graph of the kernel,
+        # TwoSum included; run the same operations eagerly instead (a fallback:
+        # needs the Python runtime).
+        count = (2 if lo else 1) * len(parts) + 1
+        out = tf.py_function(plain, parts, Tout=[parts[0].dtype] * (count) + [tf.int64])
+        return tuple(tf.ensure_shape(o, [None]) for o in out[:-1]) + (out[-1],)
+    return plain(*parts)
 
 
-def stats(x, axes, ddof):
-    """(mean_hi, mean_lo, var) in the compute dtype, shaped like the kept axes."""
+def _parts(x):
+    """x's real parts in their target format: [x], or [real, imag] of a complex x."""
     work = _compute_dtype(x.dtype)
     parts = [tf.math.real(x), tf.math.imag(x)] if x.dtype.is_complex else [x]
-    parts = [tf.cast(p, work) for p in parts]
+    return [tf.cast(p, work) for p in parts]
+
+
+@tf.autograph.experimental.do_not_convert
+def stats(x, axes, ddof, lo=True):
+    """(mean, mean_lo, var) shaped like the kept axes; mean_lo is None unless lo.
+
+    mean and var are correctly rounded; mean_lo is mean(x) - mean rounded from a
+    deterministic fixed-point sum (the same bits in every mode; docs section 9).
+    """
+    parts = _parts(x)
     laid = [_layout(p, axes) for p in parts]
-    out = _slice_moments([p for p, _ in laid], laid[0][1], ddof)
+    out = _slice_moments([p for p, _ in laid], laid[0][1], ddof, lo)
+    k = len(parts)
     shape = _out_shape(x, axes, False)
-    if len(parts) == 1:
-        mh, ml, var = out
-    else:
-        mh, ml = tf.complex(out[0], out[2]), tf.complex(out[1], out[3])
-        var = out[4]
-    return _reshape(mh, shape), _reshape(ml, shape), _reshape(var, shape)
+    mean = out[0] if k == 1 else tf.complex(out[0], out[1])
+    var = out[k]
+    mean_lo = None
+    if lo:
+        mean_lo = out[k + 1] if k == 1 else tf.complex(out[k + 1], out[k + 2])
+        mean_lo = _reshape(mean_lo, shape)
+    return _reshape(mean, shape), mean_lo, _reshape(var, shape)
+
+
+@tf.autograph.experimental.do_not_convert
+def undecided_fraction(x, axes, ddof=0):
+    """The fraction of slices of x that the fast path left to the exact path (diagnostics)."""
+    x = tf.convert_to_tensor(x)
+    axes = _canonical_axes(axes, x.shape.rank)
+    laid = [_layout(p, axes) for p in _parts(x)]
+    out = _slice_moments([p for p, _ in laid], laid[0][1], _check_ddof(ddof))
+    kept = int(np.prod([x.shape[a] for a in range(x.shape.rank) if a not in axes]))
+    return float(out[-1]) / max(kept, 1)
 
 
 def residuals(x, mean_hi, mean_lo, axes):
@@ -353,20 +393,26 @@ def _moments_real(x, axes, ddof):
     @tf.custom_gradient
     def fn(x):
         # The kernel is not differentiated (its gradient is analytic): no tape records it.
-        mh, ml, var = stats(tf.stop_gradient(x), axes, ddof)
+        mean, _, var = stats(tf.stop_gradient(x), axes, ddof, lo=False)
 
         def grad(g_mean, g_var):
             keep = _out_shape(x, axes, True)
+            mh, ml, _ = stats(tf.stop_gradient(x), axes, ddof)
             n = tf.cast(_product([_dims(x)[a] for a in axes]), x.dtype)
             r = residuals(x, tf.reshape(mh, keep), tf.reshape(ml, keep), list(axes))
+            # A slice with NaN or Inf gets a zero variance gradient (as in JAX): its
+            # NaN residuals must not reach other slices (0 * NaN).
+            finite = tf.math.is_finite(tf.reshape(var, keep))
+            r = tf.where(finite, r, tf.zeros_like(r))
             g_mean, g_var = tf.reshape(g_mean, keep), tf.reshape(g_var, keep)
             return g_mean / n + g_var * (2 * r) / (n - ddof)
 
-        return (mh, var), grad
+        return (mean, var), grad
 
     return fn(x)
 
 
+@tf.autograph.experimental.do_not_convert
 def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     """Mean and variance of `x` over `axes`, correctly rounded: a drop-in for tf.nn.moments.
 
@@ -427,10 +473,8 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
         axes = _canonical_axes(axes, x.shape.rank)
         ddof = _check_ddof(ddof)
         if x.dtype.is_complex:
-            mean, _, var = stats(x, axes, ddof)
+            mean, _, var = stats(x, axes, ddof, lo=False)
         else:
-            work = _compute_dtype(x.dtype)
-            mean, var = _moments_real(tf.cast(x, work), axes, ddof)
-            mean, var = tf.cast(mean, x.dtype), tf.cast(var, x.dtype)
+            mean, var = _moments_real(x, axes, ddof)
         shape = _out_shape(x, axes, keepdims)
         return _reshape(mean, shape), _reshape(var, shape)

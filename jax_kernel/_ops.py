@@ -1,0 +1,159 @@
+"""The array operations the shared kernel (moments_core/_kernel.py) uses, in JAX.
+
+Called with 64-bit types enabled (``jax.enable_x64``) around the kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_DTYPES = {
+    "float64": jnp.float64,
+    "float32": jnp.float32,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "int64": jnp.int64,
+    "int32": jnp.int32,
+    "int16": jnp.int16,
+    "bool": jnp.bool_,
+}
+_INT = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}
+
+abs = jnp.abs  # noqa: A001
+sqrt = jnp.sqrt
+isnan = jnp.isnan
+isfinite = jnp.isfinite
+maximum = jnp.maximum
+minimum = jnp.minimum
+round = jnp.round  # noqa: A001  (half to even)
+floordiv = jnp.floor_divide
+zeros_like = jnp.zeros_like
+transpose = jnp.transpose
+expand_dims = jnp.expand_dims
+squeeze = jnp.squeeze
+
+
+def ones_like(x, dtype=None):
+    return jnp.ones_like(x, None if dtype is None else _DTYPES[dtype])
+
+
+def cast(x, dtype):
+    return jnp.asarray(x).astype(_DTYPES[dtype])
+
+
+def bitcast(x, dtype):
+    return lax.bitcast_convert_type(x, _DTYPES[dtype])
+
+
+def from_bits(bits, fmt):
+    """int64 bit patterns (as signed integers of fmt.bits) -> float64 values of fmt."""
+    return bitcast(bits.astype(_INT[fmt.bits]), fmt.name).astype(jnp.float64)
+
+
+def band(a, b):
+    return jnp.bitwise_and(a, b)
+
+
+def shl(a, k):
+    return jnp.left_shift(jnp.asarray(a, jnp.int64), k)
+
+
+def shr(a, k):
+    return jnp.right_shift(a, k)  # arithmetic for signed integers
+
+
+def eq(a, b):
+    return jnp.equal(a, b)
+
+
+def ne(a, b):
+    return jnp.not_equal(a, b)
+
+
+def where(c, a, b):
+    return jnp.where(c, a, b)
+
+
+def sum(x, axis, keepdims=False):  # noqa: A001
+    return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+
+def any(x, axis=None):  # noqa: A001
+    return jnp.any(x, axis=axis)
+
+
+def max(x, axis):  # noqa: A001
+    return jnp.max(x, axis=axis)
+
+
+def shape(x, i):
+    return x.shape[i]
+
+
+def iota(n, dtype):
+    return jnp.arange(n, dtype=_DTYPES[dtype])
+
+
+def zeros(shape, dtype):
+    return jnp.zeros(shape, _DTYPES[dtype])
+
+
+def concat(xs, axis):
+    return jnp.concatenate(xs, axis)
+
+
+def stack(xs, axis):
+    return jnp.stack(xs, axis)
+
+
+def reshape(x, shape):
+    return jnp.reshape(x, shape)
+
+
+def take(x, idx, axis):
+    return jnp.take(x, idx, axis=axis)
+
+
+def constant(v, dtype):
+    return jnp.asarray(v, _DTYPES[dtype])
+
+
+def segment_sum(data, ids, num):
+    return jax.ops.segment_sum(data, ids, num_segments=num)
+
+
+def top_k(x, k):
+    return lax.top_k(x, k)
+
+
+def while_loop(cond, body, state):
+    return lax.while_loop(lambda s: cond(*s), lambda s: tuple(body(*s)), tuple(state))
+
+
+def _pair(a, b):
+    (h0, l0), (h1, l1) = a, b
+    s = h0 + h1
+    bb = s - h0
+    return s, (l0 + l1) + ((h0 - (s - bb)) + (h1 - bb))
+
+
+def _sums_min(a, b):
+    return a[0] + b[0], a[1] + b[1], jnp.minimum(a[2], b[2])
+
+
+def sums_min(a, b, c, axis):
+    """(sum a, sum b, min c) in one pass: one variadic reduction (XLA would otherwise
+    materialise a producer that several reductions share)."""
+    zero = np.zeros((), a.dtype)
+    return lax.reduce((a, b, c), (zero, zero, np.array(np.inf, c.dtype)), _sums_min, (axis,))
+
+
+def scatter(v, idx, new):
+    return v.at[idx].set(new)
+
+
+def pair_sum(h, l, axis):
+    """Compensated sum of pairs along axis, in whatever order XLA reduces."""
+    zero = np.zeros((), h.dtype)
+    return lax.reduce((h, l), (zero, zero), _pair, (axis,))

@@ -1,0 +1,282 @@
+"""The exact path: sums of a slice as integers, and their correctly rounded quotients.
+
+Section 7 of docs/algorithm.md.  Every input float of a slice is an integer
+times a power of two, x = s * M * 2**E.  Relative to the lowest exponent `base`
+an input of the format can have, X = s * M * 2**(E - base) is an integer, and
+
+    S1 = sum X_i,    S2 = sum X_i**2,    N = n * S2 - S1**2  (= n * sum (X_i - mean X)**2)
+
+are integers.  They are held as little-endian arrays of *digits* in radix
+2**16, one array per slice, in int64: a digit may temporarily hold any int64
+value; `normalise` carries until every digit but the top one lies in [0, 2**16)
+(the top one carries the sign).  Integer addition is associative, so these sums
+do not depend on the order in which the digits are accumulated: a segment sum
+(scatter-add) in any order gives the same integers.  The results are then
+
+    mean = S1 / n * 2**base,    var = N / (n * (n - ddof)) * 2**(2 * base),
+
+each rounded once by `to_float`: long division by n (and n - ddof), a sticky bit
+for the remainders, and round-half-even on the leading bits (Boldo-Melquiond:
+rounding the p + 2 leading bits of the quotient with a sticky bit gives the
+correct rounding).
+
+Limits: n < 2**46 (digit sums, products n * digit and remainders * 2**16 stay
+below 2**63).  All operations are integer operations of the backend: XLA
+compiles them (jit_compile, jax.jit, vmap, GPU); no host callback.
+"""
+
+RADIX_BITS = 16
+MASK = (1 << RADIX_BITS) - 1
+MAX_N_BITS = 46
+
+
+def lengths(fmt):
+    """Digit counts of S1 and of S2 (and N) for inputs of `fmt`, with room for n < 2**46."""
+    l1 = (fmt.top + 53 + MAX_N_BITS) // RADIX_BITS + 2
+    l2 = 2 * ((fmt.top + 53) // RADIX_BITS) + (2 * MAX_N_BITS) // RADIX_BITS + 14
+    return l1, max(l2, 2 * l1)
+
+
+def decompose(ops, x, fmt, base=None):
+    """x (float64, finite, flushed) -> (negative, M, P): |x| = M * 2**(P + base), P >= 0."""
+    base = fmt.base if base is None else base
+    bits = ops.bitcast(x, "int64")
+    field = ops.band(ops.shr(bits, 52), 0x7FF)
+    mant = ops.band(bits, (1 << 52) - 1) + ops.where(ops.ne(field, 0), 1 << 52, 0)
+    p = ops.where(ops.ne(field, 0), field - 1075 - base, 0)
+    return bits < 0, mant, p
+
+
+def _five_digits(ops, mant, p):
+    """|X| = M 2**P as five digits (each below 2**17) from digit P // 16 on."""
+    off = ops.band(p, 15)
+    v = [ops.shl(ops.band(ops.shr(mant, 16 * k), MASK), off) for k in range(4)]
+    lo = [ops.band(vk, MASK) for vk in v] + [0]
+    hi = [0] + [ops.shr(vk, 16) for vk in v]
+    return [lo[j] + hi[j] for j in range(5)], ops.shr(p, 4)
+
+
+def digits_of(ops, v, base, length, fmt):
+    """Digits [rows, length] of float64 values v [rows], each a multiple of 2**base."""
+    negative, mant, p = decompose(ops, v, fmt, base)
+    e, first = _five_digits(ops, mant, p)
+    index = ops.expand_dims(ops.iota(length, "int64"), 0)
+    sign = ops.where(negative, -1, 1)
+    out = None
+    for j in range(5):
+        term = ops.where(
+            ops.eq(index, ops.expand_dims(first + j, 1)), ops.expand_dims(e[j] * sign, 1), 0
+        )
+        out = term if out is None else out + term
+    return out
+
+
+def from_sums(ops, parts, n, ddof, fmt):
+    """Bit patterns of the means and the variance from exact shifted sums.
+
+    parts: per real part [K, A, B] (float64 [rows]) with A = sum (x - K) and
+    B = sum (x - K)**2 exact; then n mean = n K + A and n sum (x - mean)**2 =
+    n B - A**2, integers in units of 2**base and 2**(2 base).
+    """
+    l1, l2 = lengths(fmt)
+    num, means = None, []
+    for k, a, b in parts:
+        da = normalise(ops, digits_of(ops, a, fmt.base, l1, fmt))
+        total = normalise(ops, digits_of(ops, k, fmt.base, l1, fmt) * ops.expand_dims(n, 1) + da)
+        negative = total[:, -1] < 0
+        means.append(to_float(ops, negate_if(ops, total, negative), [n], fmt.base, fmt, negative))
+        magnitude = negate_if(ops, da, da[:, -1] < 0)
+        term = digits_of(ops, b, 2 * fmt.base, l2, fmt) * ops.expand_dims(n, 1)
+        term = term - resize(ops, multiply(ops, magnitude, magnitude), l2)
+        num = term if num is None else num + term
+    d = ops.maximum(n - ddof, 1)
+    return means, to_float(ops, normalise(ops, num), [n, d], 2 * fmt.base, fmt)
+
+
+def accumulate(ops, parts, valid, fmt, l1, l2):
+    """Digits of S1 (one array per part) and of S2 (all parts together), [rows, digits].
+
+    parts: float64 arrays [rows, n] (finite, flushed); valid: bool [rows, n] or None.
+    Each |X| = M * 2**P is first written as five digits e_0..e_4 (not normalised,
+    each below 2**17) at digit D = P // 16; X**2 is their convolution, nine sums
+    below 2**37, each split in two below 2**21: ten digits at 2 D.
+    """
+    rows = ops.shape(parts[0], 0)
+    row = ops.expand_dims(ops.iota(rows, "int64"), 1)
+    s1s, s2_data, s2_ids = [], [], []
+    for x in parts:
+        negative, mant, p = decompose(ops, x, fmt)
+        if valid is not None:
+            mant = ops.where(valid, mant, 0)
+        # Piece k = (M >> 16 k) mod 2**16 sits at bit P + 16 k: split (piece << P mod 16).
+        e, first = _five_digits(ops, mant, p)
+        sign = ops.where(negative, -1, 1)
+        s1s.append(_segment_digits(ops, [ej * sign for ej in e], row * l1 + first, l1, rows))
+        conv = [sum(e[a] * e[j - a] for a in range(max(0, j - 4), min(4, j) + 1)) for j in range(9)]
+        low = [ops.band(cj, MASK) for cj in conv] + [0]
+        high = [0] + [ops.shr(cj, 16) for cj in conv]
+        s2_data += [low[j] + high[j] for j in range(10)]
+        s2_ids.append(row * l2 + 2 * first)
+    return s1s, _segment_digits(ops, s2_data, s2_ids, l2, rows)
+
+
+def _segment_digits(ops, data, starts, length, rows):
+    """Sums of data[j] into digit starts + j (j = 0, 1, ...) of each row: [rows, length].
+
+    starts: one array of digit indices (row * length + D) per group of digits in
+    `data`, consecutive groups of equal size.  Integer sums: any order, one result.
+    """
+    starts = starts if isinstance(starts, list) else [starts]
+    per = len(data) // len(starts)
+    ids = [starts[g] + j for g in range(len(starts)) for j in range(per)]
+    data = ops.reshape(ops.stack(data, -1), [-1])
+    ids = ops.reshape(ops.stack(ids, -1), [-1])
+    out = ops.segment_sum(data, ids, rows * length)
+    return ops.reshape(out, [rows, length])
+
+
+def _shift_up(ops, d):
+    """Digits moved one place up (times 2**16), the top one dropped."""
+    return ops.concat([ops.zeros_like(d[:, :1]), d[:, :-1]], 1)
+
+
+def normalise(ops, d):
+    """Carry until every digit but the top one lies in [0, 2**16); the value is unchanged."""
+    length = ops.shape(d, 1)
+    top = ops.eq(ops.expand_dims(ops.iota(length, "int64"), 0), length - 1)
+
+    def pending(d):
+        return ops.any(ops.ne(ops.where(top, 0, ops.shr(d, 16)), 0))
+
+    def step(d):
+        carry = ops.where(top, 0, ops.shr(d, 16))  # floor division by 2**16
+        return (d - ops.shl(carry, 16) + _shift_up(ops, carry),)
+
+    return ops.while_loop(lambda d: pending(d), step, (d,))[0]
+
+
+def negate_if(ops, d, negative):
+    """(|value|, sign) of normalised digits, row by row."""
+    d = ops.where(ops.expand_dims(negative, 1), -d, d)
+    return normalise(ops, d)
+
+
+def multiply(ops, a, b):
+    """Digits of a * b (a, b normalised, [rows, L]) as [rows, 2 L - 1], not normalised."""
+    rows, length = ops.shape(a, 0), ops.shape(a, 1)
+    outer = ops.expand_dims(a, 2) * ops.expand_dims(b, 1)  # [rows, L, L], each < 2**32
+    # Skew: row i moved right by i, so that column k collects the products with i + j = k.
+    padded = ops.concat([outer, ops.zeros_like(outer)], 2)  # [rows, L, 2 L]
+    flat = ops.reshape(padded, [rows, 2 * length * length])[:, : length * (2 * length - 1)]
+    return ops.sum(ops.reshape(flat, [rows, length, 2 * length - 1]), 1)
+
+
+def resize(ops, d, length):
+    """Digits padded with zeros (or cut: only zeros may be cut) to `length`."""
+    have = d.shape[1]
+    if have >= length:
+        return d[:, :length]
+    return ops.concat([d, ops.zeros([ops.shape(d, 0), length - have], "int64")], 1)
+
+
+def divide(ops, d, a):
+    """(q, r): the digits of floor(value / a) and the remainder, for value >= 0, 1 <= a < 2**46."""
+    length = ops.shape(d, 1)
+    index = ops.expand_dims(ops.iota(length, "int64"), 0)
+    a = ops.expand_dims(a, 1)
+
+    def step(k, r, q):
+        digit = ops.sum(ops.where(ops.eq(index, k), d, 0), 1, keepdims=True)
+        cur = ops.shl(r, 16) + digit  # < a * 2**16 < 2**62
+        qk = ops.floordiv(cur, a)
+        return k - 1, cur - qk * a, q + ops.where(ops.eq(index, k), qk, 0)
+
+    start = (ops.constant(length - 1, "int64"), ops.zeros_like(a), ops.zeros_like(d))
+    _, r, q = ops.while_loop(lambda k, r, q: k >= 0, step, start)
+    return q, ops.squeeze(r, 1)
+
+
+def bit_length(ops, v):
+    """Bit length of non-negative int64 values below 2**53 (exact through float64)."""
+    bits = ops.bitcast(ops.cast(v, "float64"), "int64")
+    return ops.where(v > 0, ops.shr(bits, 52) - 1022, 0)
+
+
+def to_float(ops, num, divisors, offset, fmt, negative=None):
+    """Bit patterns (int64) of num / prod(divisors) * 2**offset rounded once to `fmt`.
+
+    num: normalised non-negative digits [rows, L]; divisors: int64 [rows] arrays,
+    each in [1, 2**46); offset: an int.  Round-half-even, results below 2**emin
+    flush to 0, results >= 2**emax are inf; `negative` (bool [rows]) sets the sign.
+    """
+    p = fmt.precision
+    z = -(-(p + 2 + len(divisors) * MAX_N_BITS) // RADIX_BITS)
+    # num * 2**(16 z): the quotient has at least p + 2 bits whenever num > 0.
+    q = ops.concat([ops.zeros([ops.shape(num, 0), z], "int64"), num], 1)
+    sticky = None
+    for a in divisors:
+        q, r = divide(ops, q, a)
+        sticky = ops.ne(r, 0) if sticky is None else (sticky | ops.ne(r, 0))
+    length = ops.shape(q, 1)
+    index = ops.iota(length, "int64")
+    nonzero = ops.ne(q, 0)
+    t = ops.max(ops.where(nonzero, ops.expand_dims(index, 0), -1), 1)  # top digit, -1 if q == 0
+    top = ops.sum(ops.where(ops.eq(ops.expand_dims(index, 0), ops.expand_dims(t, 1)), q, 0), 1)
+    bl = bit_length(ops, top)
+    # T: the 62 leading bits of q, from digits t .. t - 4; lower bits go to the sticky bit.
+    big = None
+    for j in range(5):
+        k = t - j
+        dj = ops.sum(ops.where(ops.eq(ops.expand_dims(index, 0), ops.expand_dims(k, 1)), q, 0), 1)
+        s = 62 - bl - 16 * j
+        left = ops.shl(dj, ops.maximum(s, 0))
+        right_by = ops.maximum(-s, 0)
+        right = ops.shr(dj, right_by)
+        lost = ops.ne(ops.band(dj, ops.shl(1, right_by) - 1), 0)
+        sticky = sticky | ((s < 0) & lost)
+        part = ops.where(s >= 0, left, right)
+        big = part if big is None else big + part
+    below = ops.expand_dims(index, 0) < ops.expand_dims(t - 4, 1)
+    sticky = sticky | ops.any(nonzero & below, 1)
+    # Round the 62 bits to p: round half to even, the sticky bit breaking ties.
+    r = 62 - p
+    mant = ops.shr(big, r)
+    rem = ops.band(big, (1 << r) - 1)
+    half = 1 << (r - 1)
+    up = (rem > half) | (ops.eq(rem, half) & (sticky | ops.eq(ops.band(mant, 1), 1)))
+    mant = mant + ops.where(up, 1, 0)
+    lead = 16 * t + bl - 1 + ops.where(ops.eq(mant, 1 << p), 1, 0)
+    mant = ops.where(ops.eq(mant, 1 << p), ops.shr(mant, 1), mant)
+    e = lead - 16 * z + offset  # floor(log2(result))
+    bits = ops.shl(e + fmt.bias, p - 1) + (mant - (1 << (p - 1)))
+    inf = (fmt.emax + fmt.bias) << (p - 1)
+    bits = ops.where(e >= fmt.emax, inf, ops.where((e < fmt.emin) | (t < 0), 0, bits))
+    if negative is not None:  # the sign bit, as the pattern of a signed integer of fmt.bits
+        signed = bits + (-(1 << (fmt.bits - 1)))
+        bits = ops.where(negative & ops.ne(bits, 0), signed, bits)
+    return bits
+
+
+def exact_moments(ops, parts, valid, n, ddof, fmt):
+    """Correctly rounded bit patterns of the mean of each part and of the variance.
+
+    parts: float64 [rows, size] (finite, flushed to the format's normal range),
+    valid: bool [rows, size] or None (padded slices), n: the count (int64 [rows]),
+    ddof: an int.  The variance of complex data is (N_re + N_im) / (n (n - ddof)).
+    Rows with n - ddof <= 0 get a meaningless variance (the caller replaces it).
+    """
+    l1, l2 = lengths(fmt)
+    s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2)
+    s2 = normalise(ops, resize(ops, s2, l2))
+    num = s2 * ops.expand_dims(n, 1)
+    means = []
+    for s1 in s1s:
+        s1 = normalise(ops, s1)
+        negative = s1[:, -1] < 0
+        magnitude = negate_if(ops, s1, negative)
+        num = num - resize(ops, multiply(ops, magnitude, magnitude), l2)
+        means.append(to_float(ops, magnitude, [n], fmt.base, fmt, negative))
+    num = normalise(ops, num)
+    d = ops.maximum(n - ddof, 1)
+    var = to_float(ops, num, [n, d], 2 * fmt.base, fmt)
+    return means, var

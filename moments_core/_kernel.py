@@ -1,0 +1,544 @@
+"""The certified moments kernel, written once for every backend.
+
+docs/algorithm.md is the contract; section numbers below refer to it.  Every
+function takes `ops`, a small namespace of array operations (TensorFlow:
+``tf_stable_moments/_ops.py``; JAX: ``jax_kernel/_ops.py``), so that the
+TensorFlow and the JAX implementation are the same code.
+
+Per slice (section 4): a fast approximation of the mean and of the variance in
+float64 (float64 pairs for float64 input) with a rigorous error bound that holds
+for any order of evaluation of its sums; the rounding test of section 5 decides
+the correctly rounded result when the whole error interval lies in one rounding
+cell.  Slices it does not decide (and slices with NaN or Inf) take the exact
+path of section 7 (`_exact.py`), in batches of BATCH slices in a while loop, so
+the common case pays one check.
+"""
+
+from fractions import Fraction
+from typing import NamedTuple
+
+from moments_core import _exact
+
+U = 2.0**-53  # unit roundoff of float64
+MARGIN = 1.0 + 2.0**-20  # covers the roundings of evaluating the bounds themselves
+TINY = 2.0**-1000  # per element: what flushing a float64 intermediate can lose (pairs only)
+BATCH = 8  # slices per iteration of the exact path
+SUMS_BATCH = 64  # slices per iteration when only the sums need exact rounding
+SPLIT_MASK = ~((1 << 27) - 1)
+SPLIT_HALF = 1 << 26
+
+
+# ---------------------------------------------------------------- error-free steps (section 6)
+def two_sum(a, b):
+    """s + e == a + b exactly, s = fl(a + b) (Knuth; Ogita-Rump-Oishi Alg. 3.1)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def fast_two_sum(a, b):
+    """s + e == a + b exactly when |a| >= |b| or a == 0 (Dekker)."""
+    s = a + b
+    return s, b - (s - a)
+
+
+def split(ops, a):
+    """a == hi + lo, hi rounded to 26 significant bits by integer operations on its bits."""
+    bits = ops.bitcast(a, "int64")
+    hi = ops.bitcast(ops.band(bits + SPLIT_HALF, SPLIT_MASK), "float64")
+    return hi, a - hi
+
+
+def two_prod(ops, a, b):
+    """(p, e), p + e == a * b up to the rounding of al * bl (products of split halves)."""
+    ah, al = split(ops, a)
+    bh, bl = split(ops, b)
+    p, e1 = two_sum(ah * bh, ah * bl)
+    p, e2 = two_sum(p, al * bh)
+    return p, (e1 + e2) + al * bl
+
+
+def df_add(ah, al, bh, bl):
+    """Pair sum; error below 8 u**2 (|a| + |b|)."""
+    s, e = two_sum(ah, bh)
+    return fast_two_sum(s, e + (al + bl))
+
+
+def df_mul(ops, ah, al, bh, bl):
+    """Pair product; error below 16 u**2 |a b|."""
+    p, e = two_prod(ops, ah, bh)
+    cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
+    return fast_two_sum(p, e + cross)
+
+
+def square(ops, dh, dl):
+    """(qh, ql) ~ (dh + dl)**2 from products of split halves; error below 32 u**2 q."""
+    ah, al = split(ops, dh)
+    ch, cl = split(ops, dl)
+    a2 = ah + ah
+    qh, q1 = two_sum(ah * ah, a2 * al)
+    return qh, q1 + ((al * al + a2 * ch) + (a2 * cl + (al + al) * ch))
+
+
+def pow2(ops, k):
+    """2.0**k (float64) for integer k in [-1022, 1023], built from its bits."""
+    return ops.bitcast(ops.shl(ops.cast(k, "int64") + 1023, 52), "float64")
+
+
+def exponent(ops, a):
+    """floor(log2 |a|) of a normal float64; -1023 for zero."""
+    return ops.band(ops.shr(ops.bitcast(a, "int64"), 52), 0x7FF) - 1023
+
+
+def gamma(k):
+    """An upper bound of gamma_k = k u / (1 - k u) for k u <= 1/2, without a division."""
+    return k * U * (1.0 + 2.0 * k * U)
+
+
+# ---------------------------------------------------------------- counts (section 4)
+class Counts(NamedTuple):
+    n: object  # the count: a Python int or an int64 scalar
+    nf: object  # n as a float64 (exact: n < 2**46)
+    rn: tuple  # 1/n as a float64 pair, error below u**2 / n
+    rd: tuple  # 1/max(n - ddof, 1) likewise
+
+
+def reciprocal_pair(ops, n):
+    """1/n as a float64 pair for an integer n >= 1: exact rounding on the host, else
+    integer long division in 16-bit digits (no floating-point division: XLA's is not IEEE)."""
+    if isinstance(n, int):
+        h = float(Fraction(1, n))
+        return h, float(Fraction(1, n) - Fraction(h))
+    t = _exact.bit_length(ops, n)
+    r = ops.shl(ops.ones_like(n), t)  # 2**(t-1) <= n < 2**t
+    digits = []
+    for _ in range(8):
+        d = ops.floordiv(r, n)
+        digits.append(ops.cast(d, "float64"))
+        r = ops.shl(r - d * n, 16)  # r < n < 2**46
+    a = ((digits[0] + digits[1] * 2.0**-16) + digits[2] * 2.0**-32) + digits[3] * 2.0**-48
+    b = (digits[4] * 2.0**-64 + digits[5] * 2.0**-80) + digits[6] * 2.0**-96
+    h, l = two_sum(a, b)
+    l = l + digits[7] * 2.0**-112
+    scale = pow2(ops, -t)
+    return h * scale, l * scale
+
+
+def counts(ops, n, ddof):
+    if isinstance(n, int):
+        return Counts(n, float(n), reciprocal_pair(ops, max(n, 1)), _rd(ops, n, ddof))
+    n = ops.cast(n, "int64")
+    one = ops.ones_like(n)
+    return Counts(
+        n,
+        ops.cast(n, "float64"),
+        reciprocal_pair(ops, ops.maximum(n, one)),
+        reciprocal_pair(ops, ops.maximum(n - ddof, one)),
+    )
+
+
+def _rd(ops, n, ddof):
+    return reciprocal_pair(ops, max(n - ddof, 1))
+
+
+# ---------------------------------------------------------------- fast path (section 4)
+class Approx(NamedTuple):
+    """Per slice: approximations as float64 pairs (h, l) and rigorous bounds of their error."""
+
+    mean: tuple
+    mean_err: object
+    num: tuple  # n_eff * variance: sum (x - mean)**2
+    num_err: object
+    sums: tuple = None  # (K, sum y, sum y**2) (float64 sums only)
+    exact: object = None  # where those sums are exact
+
+
+def approximate(ops, x, first, axis, c, fmt):
+    """The fast approximation of one real part: x float64 [.., ..], first = x's first
+    element per slice (keepdims), c the Counts, fmt the target format.  Returns
+    (Approx, bad): bad marks slices whose sums are not finite (a NaN or Inf in the
+    slice, or an overflow)."""
+    y = x - first
+    magnitude = ops.where(ops.eq(x, 0.0), float("inf"), ops.abs(x))
+    s1, s2, smallest = ops.sums_min(y, y * y, magnitude, axis)
+    k = ops.squeeze(first, axis)
+    bad = ~ops.isfinite(s2) | ~ops.isfinite(s1)
+    n = c.nf
+    # S2 = sum y**2 of the exact differences y = x - K: each y and y**2 rounds once,
+    # the sum of n terms in any order has error gamma_(n-1) sum|t| (all t >= 0).
+    b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * MARGIN
+    # Exact sums: every x is a multiple of q, the unit in the last place of the
+    # smallest nonzero |x| in its format; if sum y**2 <= 2**52 q**2 and
+    # sum |y| <= sqrt(n sum y**2) <= 2**52 q, every y, y**2 and every partial
+    # sum, in any order, is an integer multiple of q (q**2) below 2**53 of them:
+    # no rounding happened, s1 and s2 are exact (used by the exact path).
+    unit = pow2(ops, ops.minimum(exponent(ops, smallest), 1000) - (fmt.precision - 1))
+    exact = ops.isfinite(smallest) & (b_up <= 2.0**52 * unit * unit)
+    exact = exact & (n * b_up <= 2.0**104 * unit * unit) & ~bad
+    d2 = gamma(n + 2.0) * b_up
+    a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
+    d1 = gamma(n + 1.0) * a_abs * MARGIN
+    t = s1 * c.rn[0]
+    mean = k + t
+    mean_err = ((d1 + 3.0 * U * ops.abs(s1)) * c.rn[0] * MARGIN + U * ops.abs(t)) * MARGIN
+    mean_err = (mean_err + U * ops.abs(mean)) * MARGIN
+    corr = (s1 * s1) * c.rn[0]
+    d_corr = d1 * (2.0 * ops.abs(s1) + d1) * c.rn[0] * MARGIN + 4.0 * U * ops.abs(corr)
+    num = s2 - corr
+    num_err = (d2 + d_corr + U * ops.abs(num)) * MARGIN
+    zero = ops.zeros_like(num)
+    return Approx((mean, zero), mean_err, (num, zero), num_err, (k, s1, s2), exact), bad
+
+
+def approximate_pairs(ops, x, first, axis, c, fmt):
+    """As `approximate`, for float64 input: differences, squares and sums as float64 pairs."""
+    yh, yl = two_sum(x, -first)
+    s1 = two_sum(*ops.pair_sum(yh, yl, axis))
+    qh, ql = square(ops, yh, yl)
+    s2 = two_sum(*ops.pair_sum(qh, ql, axis))
+    k = ops.squeeze(first, axis)
+    bad = ~ops.isfinite(s2[0]) | ~ops.isfinite(s1[0]) | ~ops.isfinite(s2[1] + s1[1])
+    n = c.nf
+    u2 = U * U
+    # A compensated sum of n pairs in any tree: the high parts are exact (TwoSum), the
+    # low channel sums 2n - 1 terms: error <= gamma_2n (sum|l| + u (n - 1) sum|h|).
+    b_up = (s2[0] + ops.abs(s2[1])) * (1.0 + 4.0 * n * U) * MARGIN + n * TINY
+    e2 = (gamma(2.0 * n + 2.0) * (n + 3.0) * U + 32.0 * u2) * b_up * MARGIN + n * TINY
+    a_abs = ops.sqrt(n * b_up) * MARGIN
+    e1 = gamma(2.0 * n + 2.0) * (n + 1.0) * U * a_abs * MARGIN + n * TINY
+    t = df_mul(ops, *s1, *c.rn)
+    mean = df_add(k, ops.zeros_like(k), *t)
+    abs_s1 = ops.abs(s1[0]) + ops.abs(s1[1])
+    mean_err = (e1 * c.rn[0] + 16.0 * u2 * ops.abs(t[0]) + 4.0 * u2 * abs_s1 * c.rn[0]) * MARGIN
+    mean_err = (mean_err + 8.0 * u2 * (ops.abs(k) + ops.abs(t[0])) + TINY) * MARGIN
+    corr = df_mul(ops, *df_mul(ops, *s1, *c.rn), *s1)
+    e_corr = ((2.0 * abs_s1 + e1) * e1 * c.rn[0] + 40.0 * u2 * ops.abs(corr[0])) * MARGIN
+    num = df_add(*s2, -corr[0], -corr[1])
+    num_err = e2 + e_corr + 8.0 * u2 * (ops.abs(s2[0]) + ops.abs(corr[0])) + TINY
+    # All differences exactly zero: the mean is K and the variance 0, whatever the bounds.
+    constant = ops.eq(s1[0], 0.0) & ops.eq(s1[1], 0.0) & ops.eq(s2[0], 0.0) & ops.eq(s2[1], 0.0)
+    constant = constant & (ops.abs(k) >= 2.0**-450)
+    mean_err = ops.where(constant, 0.0, mean_err)
+    num_err = ops.where(constant, 0.0, num_err * MARGIN)
+    return Approx(mean, mean_err, num, num_err), bad
+
+
+def combine_nums(ops, a, b):
+    """The numerators of the two parts of a complex slice, added: one rounding at the end."""
+    num = df_add(*a.num, *b.num)
+    size = ops.abs(a.num[0]) + ops.abs(b.num[0])
+    err = (a.num_err + b.num_err) * MARGIN + 8.0 * U * U * size + U * ops.abs(num[0])
+    return num, err * MARGIN
+
+
+def variance_of(ops, num, num_err, c, pairs):
+    """(var pair, error bound) = num / (n - ddof)."""
+    if pairs:
+        v = df_mul(ops, *num, *c.rd)
+        err = (num_err * c.rd[0] * MARGIN + 16.0 * U * U * ops.abs(v[0])) * MARGIN
+        return v, ops.where(num_err == 0, 0.0, err + TINY)  # 0 only for constant slices
+    v = num[0] * c.rd[0]
+    err = (num_err * c.rd[0] * MARGIN + 3.0 * U * ops.abs(v)) * MARGIN
+    return (v, ops.zeros_like(v)), err
+
+
+# ---------------------------------------------------------------- rounding test (section 5)
+def nearest(ops, a, fmt):
+    """For a > 0 (float64, normal): the float of `fmt` nearest to a (ties to even, unbounded
+    exponent) and the two midpoints around it, all as float64 (exact: p + 1 <= 53 bits)."""
+    p = fmt.precision
+    e = exponent(ops, a)
+    unit = pow2(ops, e - (p - 1))
+    k = ops.round(a * pow2(ops, (p - 1) - e))  # in [2**(p-1), 2**p], half to even
+    c = k * unit
+    top = ops.eq(k, 2.0**p)  # c = 2**(e+1): its ulp is 2 unit
+    power = top | ops.eq(k, 2.0 ** (p - 1))
+    ulp = ops.where(top, unit + unit, unit)
+    hi = c + 0.5 * ulp
+    lo = c - ops.where(power, 0.25 * ulp, 0.5 * ulp)
+    return c, lo, hi
+
+
+def certify(ops, v, err, fmt):
+    """(value, decided): the correctly rounded value of every number within err of v.
+
+    v: float64 pair (h, l); for formats of precision <= 24 the pair's low part is 0.
+    decided is False where the interval [v - err, v + err] contains a rounding
+    boundary (a midpoint), or where the test does not apply (tiny or non-finite v);
+    those slices take the exact path.  Ties are never decided here: a slice whose
+    interval touches a midpoint goes to the exact path, which rounds ties to even.
+    """
+    h, l = v
+    tiny = 2.0**fmt.emin
+    negative = h < 0
+    a = ops.abs(h)
+    low = ops.where(negative, -l, l)
+    if fmt.precision == 53:  # 2**-1024 would be read as 0 (subnormal): only exact zeros
+        zero = ops.eq(a, 0.0) & ops.eq(low, 0.0) & ops.eq(err, 0.0)
+    else:
+        zero = (a < 0.25 * tiny) & (ops.abs(low) < 0.25 * tiny) & (err < 0.25 * tiny)
+    if fmt.precision == 53:  # the candidate is h itself (h = fl(h + l)); gap to the midpoint
+        e = exponent(ops, a)
+        ok = (e >= -969) & (e <= 1023)
+        unit = pow2(ops, ops.where(ok, e - 52, 0))
+        power = ops.eq(ops.band(ops.bitcast(a, "int64"), (1 << 52) - 1), 0)
+        below = ops.where(power, 0.25 * unit, 0.5 * unit)
+        gap = ops.where(low >= 0, 0.5 * unit - low, below + low)
+        value = a
+    else:
+        ok = (a >= 0.25 * tiny) & (a < 2.0**1000)
+        safe = ops.where(ok, a, ops.ones_like(a))
+        value, lo, hi = nearest(ops, safe, fmt)
+        gap = ops.minimum(hi - safe, safe - lo)
+        value = ops.where(value >= 2.0**fmt.emax, float("inf"), value)
+        value = ops.where(value < tiny, 0.0, value)
+    decided = (ok & (err + err < gap)) | zero
+    value = ops.where(zero, 0.0, value)
+    value = ops.where(negative & ops.ne(value, 0.0), -value, value)
+    return value, decided
+
+
+def round_to(ops, v, fmt):
+    """Plain round-half-even of float64 v to `fmt` (not certified; used for mean_lo)."""
+    if fmt.precision == 53:
+        return v
+    a = ops.abs(v)
+    tiny = 2.0**fmt.emin
+    ok = (a >= tiny) & ops.isfinite(a)
+    value, _, _ = nearest(ops, ops.where(ok, a, ops.ones_like(a)), fmt)
+    value = ops.where(ok & (value < 2.0**fmt.emax), value, ops.where(ok, float("inf"), 0.0))
+    return ops.where(v < 0, -value, value)
+
+
+# ---------------------------------------------------------------- the whole slice (section 8)
+def flush(ops, x, fmt):
+    """x as float64, inputs below the format's normal range replaced by 0."""
+    x = ops.cast(x, "float64")
+    return ops.where(ops.abs(x) < 2.0**fmt.emin, ops.zeros_like(x), x)
+
+
+def first_element(ops, x, axis, dynamic=False):
+    """K: each slice's first element (keepdims); 0 for an empty slice of unknown length."""
+    k = x[0:1] if axis == 0 else x[:, 0:1]
+    return ops.sum(k, axis, keepdims=True) if dynamic else k
+
+
+def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
+    """Correctly rounded means (one per part) and variance of the slices of 2-D arrays.
+
+    parts: one real array, or the real and imaginary parts of a complex one, in
+      the format `fmt`, laid out [n, kept] (axis 0) or [kept, n] (axis 1).
+    n: None, or the count when the slices are padded beyond it (with copies of
+      their first element: their differences from it are exact zeros).
+    exact_only: send every slice through the exact path (a test switch).
+    Returns (means, var, undecided): float64 arrays of the kept length holding
+    values of `fmt` exactly, and the number of slices the fast path left open.
+    """
+    means, var, todo, sums = fast_moments(ops, parts, axis, ddof, fmt, n, exact_only)
+    undecided = ops.sum(ops.cast(todo, "int64"), 0)
+    means, var = exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums)
+    return means, var, undecided
+
+
+def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
+    """The fast path and its rounding test: (means, var, todo, sums), todo marking the
+    slices it did not decide (their values are meaningless until `exact_fix`), sums
+    what `exact_fix` can round exactly without the elements (float64 sums only)."""
+    size = ops.shape(parts[0], axis)
+    c = counts(ops, size if n is None else n, ddof)
+    if isinstance(size, int) and size == 0:  # no data: NaN (section 8)
+        nan = ops.zeros([ops.shape(parts[0], 1 - axis)], "float64") + float("nan")
+        return [nan for _ in parts], nan, ops.eq(nan, 0.0), []
+    xs = [flush(ops, p, fmt) for p in parts]
+    firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
+    pairs = not fmt.wide
+    fast = approximate_pairs if pairs else approximate
+    approx = [fast(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
+    bad = approx[0][1]
+    for _, b in approx[1:]:
+        bad = bad | b
+    means, decided = [], ~bad
+    for a, _ in approx:
+        m, ok = certify(ops, a.mean, a.mean_err, fmt)
+        means.append(m)
+        decided = decided & ok
+    if len(approx) == 1:
+        num, num_err = approx[0][0].num, approx[0][0].num_err
+    else:
+        num, num_err = combine_nums(ops, approx[0][0], approx[1][0])
+    v, v_err = variance_of(ops, num, num_err, c, pairs)
+    var, ok = certify(ops, v, v_err, fmt)
+    defined = c.n - ddof > 0  # a Python bool for a static count
+    if isinstance(defined, bool):
+        decided = (decided & ok) if defined else decided
+    else:
+        decided = decided & (ok | ~defined)
+    if exact_only:
+        decided = ops.zeros_like(decided)
+    means, var = _special_counts(ops, means, var, c, ddof)
+    todo = ~decided
+    if pairs:
+        return means, var, todo, []
+    exact = approx[0][0].exact
+    for a, _ in approx[1:]:
+        exact = exact & a[0].exact
+    sums = [list(a.sums) for a, _ in approx]
+    return means, var, todo, [ops.cast(exact, "bool"), *[v for part in sums for v in part]]
+
+
+def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=()):
+    """The exact path for the slices marked in `todo` (section 7); the others are kept.
+
+    sums: fast_moments' fourth output; slices whose fast sums were exact are
+    rounded from the sums, the others from their elements.
+    """
+    size = ops.shape(parts[0], axis)
+    c = counts(ops, size if n is None else n, ddof)
+    if len(sums):
+        exact, flat = sums[0], list(sums[1:])
+        per_part = [flat[3 * i : 3 * i + 3] for i in range(len(parts))]
+        from_sums = todo & exact
+        means, var = _sums_loop(ops, per_part, c, ddof, fmt, from_sums, means, var)
+        todo = todo & ~from_sums
+    means, var = _exact_loop(ops, parts, axis, c, ddof, fmt, n, todo, means, var)
+    return _special_counts(ops, means, var, c, ddof)
+
+
+def _special_counts(ops, means, var, c, ddof):
+    """var NaN where n - ddof <= 0, everything NaN where n == 0 (section 8)."""
+    nan = float("nan")
+    defined = c.n - ddof > 0
+    if not isinstance(defined, bool):
+        var = ops.where(defined, var, nan)
+    elif not defined:
+        var = ops.zeros_like(var) + nan
+    if not isinstance(c.n, int) or c.n == 0:
+        means = [ops.where(c.n > 0, m, nan) for m in means]
+        var = ops.where(c.n > 0, var, nan)
+    return means, var
+
+
+def _batched(ops, todo, batch, compute, values):
+    """values updated by compute(idx) on the slices marked in todo, `batch` at a time.
+
+    compute(idx) returns new values for the slices idx ([batch] int64); the
+    selected slices are the first undecided ones (top_k of their position);
+    unused places repeat the first one, so every scatter writes one value.
+    """
+    kept = ops.shape(todo, 0)
+    index = ops.iota(kept, "int64")
+
+    def body(todo, *values):
+        key = ops.where(todo, ops.cast(kept - index, "float64"), 0.0)
+        key = ops.concat([key, ops.zeros([batch], "float64")], 0)
+        vals, idx = ops.top_k(key, batch)
+        idx = ops.cast(idx, "int64")
+        idx = ops.where(vals > 0, idx, idx[0])
+        new = compute(idx)
+        values = [ops.scatter(v, idx, nv) for v, nv in zip(values, new)]
+        return (ops.scatter(todo, idx, ops.zeros([batch], "bool")), *values)
+
+    state = ops.while_loop(lambda todo, *_: ops.any(todo), body, (todo, *values))
+    return list(state[1:])
+
+
+def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var):
+    """The exact path for the slices in `todo`, BATCH at a time (section 7).
+
+    xs: the parts as given (flushed here, on the gathered slices only)."""
+    size = ops.shape(xs[0], axis)
+    valid = None
+    if n is not None:
+        valid = ops.expand_dims(ops.iota(size, "int64") < ops.cast(n, "int64"), 0)
+    count = ops.cast(c.n, "int64")
+
+    def compute(idx):
+        rows = [flush(ops, ops.take(x, idx, 1 - axis), fmt) for x in xs]
+        rows = [r if axis == 1 else ops.transpose(r) for r in rows]
+        m_new, v_new = _exact_rows(ops, rows, valid, count, ddof, fmt)
+        return [v_new, *m_new]
+
+    out = _batched(ops, todo, BATCH, compute, [var, *means])
+    return out[1:], out[0]
+
+
+def _sums_loop(ops, sums, c, ddof, fmt, todo, means, var):
+    """Slices whose fast sums were exact: rounded exactly from the sums alone (section 7)."""
+    count = ops.cast(c.n, "int64")
+
+    def compute(idx):
+        picked = [[ops.take(v, idx, 0) for v in part] for part in sums]
+        n = ops.zeros([SUMS_BATCH], "int64") + count
+        mean_bits, var_bits = _exact.from_sums(ops, picked, n, ddof, fmt)
+        return [ops.from_bits(var_bits, fmt), *[ops.from_bits(b, fmt) for b in mean_bits]]
+
+    out = _batched(ops, todo, SUMS_BATCH, compute, [var, *means])
+    return out[1:], out[0]
+
+
+def _exact_rows(ops, rows, valid, count, ddof, fmt):
+    """Exact means and variance of BATCH slices [BATCH, size], with special values."""
+    finite = [ops.isfinite(r) for r in rows]
+    if valid is not None:
+        finite = [f & valid for f in finite]
+    clean = [ops.where(f, r, ops.zeros_like(r)) for f, r in zip(finite, rows)]
+    n = ops.zeros([BATCH], "int64") + count
+    mean_bits, var_bits = _exact.exact_moments(ops, clean, None, n, ddof, fmt)
+    nan, inf = float("nan"), float("inf")
+    means, any_special = [], None
+
+    def within(mask):
+        return mask if valid is None else mask & valid
+
+    for r, bits in zip(rows, mean_bits):
+        has_nan = ops.any(within(ops.isnan(r)), 1)
+        pos = ops.any(within(ops.eq(r, inf)), 1)
+        neg = ops.any(within(ops.eq(r, -inf)), 1)
+        special = has_nan | pos | neg
+        value = ops.from_bits(bits, fmt)
+        value = ops.where(
+            has_nan | (pos & neg), nan, ops.where(pos, inf, ops.where(neg, -inf, value))
+        )
+        means.append(value)
+        any_special = special if any_special is None else (any_special | special)
+    var = ops.where(any_special, nan, ops.from_bits(var_bits, fmt))
+    return means, var
+
+
+# ---------------------------------------------------------------- mean_lo (section 9)
+def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None):
+    """mean - mean_hi, to the format, from a deterministic fixed-point sum (for the layers).
+
+    d = x - mean (float64) is scaled by a power of two q chosen from the certified
+    mean and variance alone, so that every rint(d / q) is an integer and their sum
+    stays below 2**53: the float64 sum is exact in any order.  Hence mean_lo has
+    the same bits in every mode and framework, although it is not correctly rounded.
+    """
+    size = ops.shape(x, axis)
+    count = size if n is None else n
+    c = counts(ops, count, ddof)
+    x = flush(ops, x, fmt)
+    m = ops.expand_dims(mean, axis)
+    d = x - m
+    if n is not None:
+        valid = ops.iota(size, "int64") < ops.cast(n, "int64")
+        valid = ops.expand_dims(valid, 1 if axis == 0 else 0)
+        d = ops.where(valid, d, ops.zeros_like(d))
+    ulp = pow2(ops, ops.maximum(exponent(ops, ops.abs(mean)) - (fmt.precision - 1), -1000))
+    eff = c.nf - ddof
+    r2 = (eff * var * 2.0 + c.nf * ulp * ulp) * 2.0  # >= sum d**2
+    ok = ops.isfinite(r2) & ops.isfinite(mean) & (r2 > 0) & (eff > 0)
+    r2 = ops.where(ok, r2, ops.ones_like(r2))
+    half = ops.shr(exponent(ops, r2) + 2, 1)  # 2**half >= sqrt(r2)
+    nb = _nbits(ops, c)
+    shift = ops.minimum(ops.maximum(half + nb - 52, -1000), 1000)
+    scaled = ops.round(d * ops.expand_dims(pow2(ops, -shift), axis))
+    total = ops.sum(scaled, axis)  # exact: |total| < 2**53
+    lo = total * pow2(ops, shift) * c.rn[0]
+    return ops.where(ok, round_to(ops, lo, fmt), 0.0)
+
+
+def _nbits(ops, c):
+    if isinstance(c.n, int):
+        return max(c.n, 1).bit_length()
+    return _exact.bit_length(ops, ops.maximum(c.n, ops.ones_like(c.n)))

@@ -1,0 +1,53 @@
+"""benchmarks/speed.py's decided-fraction function, on small inputs (a smoke test)."""
+
+import importlib
+import math
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+speed = importlib.import_module("speed")
+
+
+def _halfway(v):
+    """Whether the rational v lies exactly halfway between two adjacent float32 numbers."""
+    if v == 0:
+        return False
+    e = math.frexp(float(abs(v)))[1] - 1  # 2**e <= |v| < 2**(e + 1)
+    q = abs(v) / Fraction(2) ** (e - 24)  # float32 values are even multiples of 2**(e - 24)
+    return q.denominator == 1 and q.numerator % 2 == 1
+
+
+def _ties(x):
+    """Rows of x whose exact mean or variance (ddof 0) is a float32 tie."""
+    out = []
+    for row in x:
+        r = [Fraction(float(v)) for v in row]
+        mean = sum(r) / len(r)
+        var = sum((a - mean) ** 2 for a in r) / len(r)
+        out.append(_halfway(mean) or _halfway(var))
+    return np.array(out)
+
+
+def test_decided_fractions():
+    # float32 N(1e6, 1) slices of n = 64 have an exactly halfway mean in about 1 of 64
+    # slices (seed 0 along axis 1 has two; the fast path rightly leaves them undecided):
+    # this seed has none, so the fast path must decide every slice.
+    x = np.random.default_rng(3).normal(1e6, 1.0, (64, 64)).astype(np.float32)
+    assert not _ties(x).any()
+    # One slice [0, 4097, 0, 4097, ...]: mean 2048.5, variance 2048.5**2, halfway between
+    # two float32 numbers (same shape as x: no compile of its own for the fast path).
+    tie = x.copy()
+    tie[5] = np.resize(np.float32([0, 4097]), 64)
+    assert _ties(tie[5:6]).all()
+    got = speed.decided_fractions({"N(1e6, 1)": (x, (1,)), "tie": (tie, (1,))})
+    assert set(got) == {"N(1e6, 1)", "tie"}
+    for tf_fraction, jax_fraction in got.values():
+        assert 0.0 <= tf_fraction <= 1.0 and 0.0 <= jax_fraction <= 1.0
+    assert got["N(1e6, 1)"] == (1.0, 1.0)
+    assert got["tie"][0] < 1.0 and got["tie"][1] < 1.0
+    assert got["tie"] == (63 / 64, 63 / 64)  # only the tie slice is left to the exact path

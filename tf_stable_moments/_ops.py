@@ -1,0 +1,242 @@
+"""The array operations the shared kernel (moments_core/_kernel.py) uses, in TensorFlow.
+
+Two namespaces: XLA (inside an XLA computation: compensated sums as one
+variadic reduction) and PLAIN (plain eager operations: compensated sums as a
+halving tree of slices).  Any summation order is allowed by the kernel's
+bounds; both give the same certified results.
+"""
+
+from types import SimpleNamespace
+
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla as _xla
+
+_DTYPES = {
+    "float64": tf.float64,
+    "float32": tf.float32,
+    "float16": tf.float16,
+    "bfloat16": tf.bfloat16,
+    "int64": tf.int64,
+    "int32": tf.int32,
+    "int16": tf.int16,
+    "bool": tf.bool,
+}
+_INT = {16: tf.int16, 32: tf.int32, 64: tf.int64}
+
+
+def _like(v, other):
+    """v as a tensor; Python scalars take the dtype of `other` (int64/float64 if none)."""
+    if tf.is_tensor(v):
+        return v
+    if tf.is_tensor(other):
+        return tf.constant(v, other.dtype)
+    if isinstance(v, bool):
+        return tf.constant(v)
+    return tf.constant(v, tf.int64 if isinstance(v, int) else tf.float64)
+
+
+def _int(v):
+    return tf.cast(v, tf.int64) if tf.is_tensor(v) else tf.constant(v, tf.int64)
+
+
+def cast(x, dtype):
+    return tf.cast(x, _DTYPES[dtype])
+
+
+def bitcast(x, dtype):
+    return tf.bitcast(x, _DTYPES[dtype])
+
+
+def from_bits(bits, fmt):
+    """int64 bit patterns (as signed integers of fmt.bits) -> float64 values of fmt."""
+    return tf.cast(tf.bitcast(tf.cast(bits, _INT[fmt.bits]), _DTYPES[fmt.name]), tf.float64)
+
+
+def band(a, b):
+    return tf.bitwise.bitwise_and(_int(a), _int(b))
+
+
+def shl(a, k):
+    return tf.bitwise.left_shift(_int(a), _int(k))
+
+
+def shr(a, k):
+    return tf.bitwise.right_shift(_int(a), _int(k))  # arithmetic for signed integers
+
+
+def where(c, a, b):
+    a, b = _like(a, b), _like(b, a)
+    return tf.where(c, a, b)
+
+
+def eq(a, b):
+    """a == b elementwise (Tensor.__eq__ compares identity inside TF1 graphs)."""
+    return tf.equal(_like(a, b), _like(b, a))
+
+
+def ne(a, b):
+    return tf.not_equal(_like(a, b), _like(b, a))
+
+
+def ones_like(x, dtype=None):
+    return tf.ones_like(x, None if dtype is None else _DTYPES[dtype])
+
+
+def sum(x, axis, keepdims=False):  # noqa: A001
+    return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+
+
+def any(x, axis=None):  # noqa: A001
+    return tf.reduce_any(x, axis=axis)
+
+
+def max(x, axis):  # noqa: A001
+    return tf.reduce_max(x, axis=axis)
+
+
+def shape(x, i):
+    d = x.shape[i]
+    return d if d is not None else tf.shape(x, out_type=tf.int64)[i]
+
+
+def iota(n, dtype):
+    return tf.range(tf.cast(n, _DTYPES[dtype]) if tf.is_tensor(n) else n, dtype=_DTYPES[dtype])
+
+
+def zeros(shape, dtype):
+    return tf.zeros(shape, _DTYPES[dtype])
+
+
+def concat(xs, axis):
+    return tf.concat(xs, axis)
+
+
+def stack(xs, axis):
+    return tf.stack(xs, axis)
+
+
+def reshape(x, shape):
+    return tf.reshape(x, shape)
+
+
+def take(x, idx, axis):
+    return tf.gather(x, idx, axis=axis)
+
+
+def constant(v, dtype):
+    return tf.constant(v, _DTYPES[dtype])
+
+
+def segment_sum(data, ids, num):
+    return tf.math.unsorted_segment_sum(data, ids, num)
+
+
+def top_k(x, k):
+    return tf.math.top_k(x, k, sorted=False)
+
+
+def while_loop(cond, body, state):
+    return tuple(tf.while_loop(cond, lambda *s: tuple(body(*s)), tuple(state)))
+
+
+def _pair(h0, l0, h1, l1):
+    s = h0 + h1
+    bb = s - h0
+    return s, (l0 + l1) + ((h0 - (s - bb)) + (h1 - bb))
+
+
+def _pair_sum_xla(h, l, axis):
+    """Compensated sum of pairs along axis as one XLA variadic reduction (any order).
+
+    The reducer is traced anew for each graph: a concrete function belongs to
+    the graph that traced it (no TensorFlow object is kept across graphs).
+    """
+    spec = tf.TensorSpec([], h.dtype)
+    reducer = tf.function(_pair, autograph=False).get_concrete_function(spec, spec, spec, spec)
+    zero = tf.zeros([], h.dtype)
+    return tuple(_xla.variadic_reduce([h, l], [zero, zero], [axis], reducer))
+
+
+def _sums_min_xla(a, b, c, axis):
+    """(sum a, sum b, min c) in one pass: one variadic reduction (XLA would otherwise
+    materialise a producer that several reductions share).  Reducer traced per graph."""
+    spec = tf.TensorSpec([], a.dtype)
+    fn = tf.function(
+        lambda a0, b0, c0, a1, b1, c1: (a0 + a1, b0 + b1, tf.minimum(c0, c1)), autograph=False
+    )
+    reducer = fn.get_concrete_function(*[spec] * 6)
+    zero, inf = tf.zeros([], a.dtype), tf.constant(float("inf"), c.dtype)
+    return tuple(_xla.variadic_reduce([a, b, c], [zero, zero, inf], [axis], reducer))
+
+
+def _sums_min_plain(a, b, c, axis):
+    return tf.reduce_sum(a, axis), tf.reduce_sum(b, axis), tf.reduce_min(c, axis)
+
+
+def scatter(v, idx, new):
+    return tf.tensor_scatter_nd_update(v, tf.expand_dims(idx, 1), new)
+
+
+def _pair_sum_tree(h, l, axis):
+    """Compensated sum of pairs along axis by halving (eager: static shapes)."""
+    size = h.shape[axis]
+    width = 1 << max(size - 1, 0).bit_length()
+    pad = [[0, 0], [0, 0]]
+    pad[axis] = [0, width - size]
+    h, l = tf.pad(h, pad), tf.pad(l, pad)
+    while width > 1:
+        width //= 2
+        if axis == 0:
+            h, l = _pair(h[:width], l[:width], h[width:], l[width:])
+        else:
+            h, l = _pair(h[:, :width], l[:, :width], h[:, width:], l[:, width:])
+    return tf.squeeze(h, axis), tf.squeeze(l, axis)
+
+
+_COMMON = dict(
+    abs=tf.abs,
+    sqrt=tf.sqrt,
+    isnan=tf.math.is_nan,
+    isfinite=tf.math.is_finite,
+    maximum=lambda a, b: tf.maximum(_like(a, b), _like(b, a)),
+    minimum=lambda a, b: tf.minimum(_like(a, b), _like(b, a)),
+    round=tf.math.round,  # half to even
+    floordiv=tf.math.floordiv,
+    zeros_like=tf.zeros_like,
+    transpose=tf.transpose,
+    expand_dims=tf.expand_dims,
+    squeeze=tf.squeeze,
+    **{
+        f.__name__: f
+        for f in (
+            cast,
+            bitcast,
+            from_bits,
+            band,
+            shl,
+            shr,
+            where,
+            eq,
+            ne,
+            ones_like,
+            sum,
+            any,
+            max,
+            shape,
+            iota,
+            zeros,
+            concat,
+            stack,
+            reshape,
+            take,
+            constant,
+            segment_sum,
+            top_k,
+            while_loop,
+            scatter,
+        )
+    },
+)
+
+XLA = SimpleNamespace(pair_sum=_pair_sum_xla, sums_min=_sums_min_xla, **_COMMON)
+PLAIN = SimpleNamespace(pair_sum=_pair_sum_tree, sums_min=_sums_min_plain, **_COMMON)
