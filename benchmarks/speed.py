@@ -473,7 +473,10 @@ def main(argv=None):
     quick = args.quick
     cases, reps = (QUICK_CASES, 3) if quick else (CASES, args.reps)
     start = time.perf_counter()
-    print(f"cpu: {environment()['cpu']}, {os.cpu_count()} cores; jax {jax.default_backend()}")
+    print(
+        f"cpu: {environment()['cpu']}, {os.cpu_count()} cores; jax {jax.default_backend()}; "
+        f"load average at start {_load()}"
+    )
     # First, so that no earlier call has compiled the exact path for its shape.
     section = time.perf_counter()
     exact_shape, only = (QUICK_EXACT_SHAPE, QUICK_EXACT_IMPLS) if quick else (EXACT_SHAPE, None)
@@ -503,8 +506,16 @@ def main(argv=None):
         record = {"environment": environment(), "reps": reps, "results": results}
         record.update(batch_size_compiles=compiles, exact_path=_jsonable(exact))
         json.dump(dict(record, decided_fractions=fractions), f, indent=1)
-    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
+    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s; load average at end {_load()})")
     return results
+
+
+def _load():
+    """The 1, 5 and 15 minute load averages (other processes skew the timings)."""
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def _took(since):

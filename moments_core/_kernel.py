@@ -381,7 +381,7 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
         return means, var, todo, []
     exact = approx[0][0].exact
     for a, _ in approx[1:]:
-        exact = exact & a[0].exact
+        exact = exact & a.exact
     sums = [list(a.sums) for a, _ in approx]
     return means, var, todo, [ops.cast(exact, "bool"), *[v for part in sums for v in part]]
 

@@ -68,9 +68,13 @@ def run(mode, x, axes, ddof=0):
                 out = jax_kernel.moments(x, axes, ddof=ddof)
         else:
             raise ValueError(mode)
-    return tuple(np.asarray(o) for o in out)
+    return tuple(o.numpy() if hasattr(o, "numpy") else np.asarray(o) for o in out)
 
 
 def bits(a):
+    """The bit patterns of a (complex: both parts), for bitwise comparison."""
     a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}[a.dtype.itemsize])
+    flat = a.reshape(-1).view(
+        {2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}[a.dtype.itemsize]
+    )
+    return flat.reshape(a.shape) if a.ndim and not np.iscomplexobj(a) else flat

@@ -201,10 +201,10 @@ def test_jax_float64_with_x64_matches_tensorflow_bitwise(tmp_path):
 def _failing_xla(fails):
     real = tf_moments._slice_moments_xla
 
-    def fake(axis, ddof, parts, count=None):
+    def fake(axis, ddof, parts, n=None, lo=False):
         if fails(parts[0]):
             raise tf.errors.UnimplementedError(None, None, "XLA is not available here")
-        return real(axis, ddof, parts, count)
+        return real(axis, ddof, parts, n, lo)
 
     return fake
 

@@ -6,6 +6,7 @@ halving tree of slices).  Any summation order is allowed by the kernel's
 bounds; both give the same certified results.
 """
 
+import builtins
 from types import SimpleNamespace
 
 import tensorflow as tf
@@ -44,6 +45,8 @@ def cast(x, dtype):
 
 
 def bitcast(x, dtype):
+    if not tf.is_tensor(x):  # a Python scalar: 64 bits, as everywhere in the kernel
+        x = tf.constant(x, tf.float64 if dtype == "int64" else tf.int64)
     return tf.bitcast(x, _DTYPES[dtype])
 
 
@@ -132,7 +135,7 @@ def segment_sum(data, ids, num):
 
 
 def top_k(x, k):
-    return tf.math.top_k(x, k, sorted=False)
+    return tf.math.top_k(x, k, sorted=True)
 
 
 def while_loop(cond, body, state):
@@ -180,7 +183,7 @@ def scatter(v, idx, new):
 def _pair_sum_tree(h, l, axis):
     """Compensated sum of pairs along axis by halving (eager: static shapes)."""
     size = h.shape[axis]
-    width = 1 << max(size - 1, 0).bit_length()
+    width = 1 << builtins.max(size - 1, 0).bit_length()
     pad = [[0, 0], [0, 0]]
     pad[axis] = [0, width - size]
     h, l = tf.pad(h, pad), tf.pad(l, pad)
