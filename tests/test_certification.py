@@ -123,7 +123,7 @@ def test_exact_path_alone_gives_the_oracle_and_the_fast_path_bits(name, mode):
 
 def test_undecided_slices_are_counted():
     rng = np.random.default_rng(5)
-    offset = rng.normal(1e6, 1.0, (256, 16)).astype(np.float32)
+    offset = rng.normal(1e6, 1.0, (250, 16)).astype(np.float32)  # n = 250: no exact ties
     assert tf_moments.undecided_fraction(offset, [0]) == 0.0
     assert jax_kernel._moments.undecided_fraction(offset, 0) == 0.0
     x = np.array([[0, 4097], [1e30, -1e30], [3.0, 5.0]], np.float32).T  # a tie, a cancelling mean
