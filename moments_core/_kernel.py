@@ -126,7 +126,8 @@ def reciprocal_pair(ops, n):
 
 def counts(ops, n, ddof):
     if isinstance(n, int):
-        return Counts(n, float(n), reciprocal_pair(ops, max(n, 1)), _rd(ops, n, ddof))
+        rd = reciprocal_pair(ops, max(n - ddof, 1))
+        return Counts(n, float(n), reciprocal_pair(ops, max(n, 1)), rd)
     n = ops.cast(n, "int64")
     one = ops.ones_like(n)
     return Counts(
@@ -135,10 +136,6 @@ def counts(ops, n, ddof):
         reciprocal_pair(ops, ops.maximum(n, one)),
         reciprocal_pair(ops, ops.maximum(n - ddof, one)),
     )
-
-
-def _rd(ops, n, ddof):
-    return reciprocal_pair(ops, max(n - ddof, 1))
 
 
 # ---------------------------------------------------------------- fast path (section 4)
