@@ -1,4 +1,23 @@
-"""Public JAX wrapper: validate and canonicalise, then call the jitted kernel."""
+"""Public JAX wrapper: validate and canonicalise, then call the jitted kernel.
+
+Two kernels with the same results, bit for bit (both correctly rounded):
+
+* the native kernel (moments_core/native/moments.h as an XLA FFI custom call,
+  jax_kernel/_native), used on the CPU backend;
+* the pure-XLA kernel (moments_core/_kernel.py with jax_kernel/_ops.py), used on
+  accelerators, with ``TF_STABLE_MOMENTS_EXACT_ONLY=1`` (the native kernel has no
+  exact-only switch), with ``TF_STABLE_MOMENTS_NATIVE=0``, and wherever the native
+  library cannot be built or loaded.
+
+The choice is made when a computation is traced, from ``jax.default_backend()``:
+the FFI target is registered for the CPU platform only, so a process whose
+default backend is a GPU or TPU uses the XLA kernel everywhere, also for arrays
+placed on its CPU devices (correct, only slower).  ``lax.platform_dependent``
+would choose per lowering platform, but it traces the XLA kernel too (about
+0.3-0.6 s per new shape), which the native path exists to avoid.  The choice is a
+static argument of the jitted functions, so switching TF_STABLE_MOMENTS_NATIVE
+between calls takes effect on the next call of `moments`.
+"""
 
 import functools
 import os
@@ -8,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_kernel import _ops
+from jax_kernel import _native, _ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
@@ -63,6 +82,48 @@ def _exact_only():
     return os.environ.get("TF_STABLE_MOMENTS_EXACT_ONLY", "0") == "1"
 
 
+def _use_native(exact_only=False):
+    """True when this trace should use the native kernel (see the module docstring)."""
+    if exact_only or not _native.enabled() or jax.default_backend() != "cpu":
+        return False
+    return _native.available()
+
+
+def _native_layout(x, axes):
+    """x as [outer, n, inner] with the slices along axis 1: a reshape when the reduced
+    axes are adjacent, else the kept axes first, the reduced ones last ([kept, n, 1])."""
+    shape = x.shape
+    n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+    if not axes:
+        return x.reshape(int(np.prod(shape, dtype=np.int64)), 1, 1)
+    if axes == tuple(range(axes[0], axes[-1] + 1)):
+        outer = int(np.prod(shape[: axes[0]], dtype=np.int64))
+        inner = int(np.prod(shape[axes[-1] + 1 :], dtype=np.int64))
+        return x.reshape(outer, n, inner)
+    kept = [a for a in range(x.ndim) if a not in axes]
+    rest = int(np.prod([shape[a] for a in kept], dtype=np.int64))
+    return jnp.transpose(x, kept + list(axes)).reshape(rest, n, 1)
+
+
+def _native_moments(x, axes, ddof):
+    """(means, var, undecided) from the native kernel: means one array per real part
+    (float16/bfloat16 data computed in float32 with their own format, cast back
+    exactly), all flat over the kept axes in row-major order; undecided int32."""
+    work = _compute_dtype(x.dtype)
+    fmt = FORMATS[work.name]
+    carrier = np.dtype(np.float32) if work in _HALF_DTYPES else work
+    laid = _native_layout(x, axes)
+    if jnp.iscomplexobj(laid):
+        data = jnp.stack([jnp.real(laid), jnp.imag(laid)], axis=-1).astype(carrier)
+    else:
+        data = laid.astype(carrier)[..., None]
+    mean, var, count = _native.moments_call(data, ddof, fmt)
+    with jax.enable_x64(True):
+        count = count.astype(np.int32)
+    means = [mean[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
+    return means, var.reshape(-1).astype(work), count
+
+
 def _kernel_parts(x, axes):
     """(parts, axis, fmt, work): x's real parts laid out in 2-D, in their target format."""
     work = _compute_dtype(x.dtype)
@@ -103,24 +164,42 @@ def _concrete_moments(x, axes, keepdims, ddof, exact_only):
     return mean.reshape(shape), var.reshape(shape)
 
 
-def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False):
+def _mean_lo_parts(x, axes, ddof, means, var):
+    """mean_lo per real part (moments_core/_kernel.py `mean_lo`, in XLA) from the
+    certified means (one per part) and variance, in the target format."""
+    parts, axis, fmt, work = _kernel_parts(x, axes)
+    with jax.enable_x64(True):
+        v64 = var.astype(np.float64)
+        return [
+            _kernel.mean_lo(_ops, p, axis, m.astype(np.float64), v64, ddof, fmt).astype(work)
+            for p, m in zip(parts, means)
+        ]
+
+
+def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None):
     """(mean, mean_lo, var) in the target format, shaped like the kept axes.
 
     mean and var are correctly rounded (moments_core/_kernel.py, with 64-bit
-    types enabled for the kernel only); mean_lo (None unless lo) is
-    mean(x) - mean from a deterministic fixed-point sum.  With undecided=True,
-    also the number of slices the fast path left to the exact path.
+    types enabled for the kernel only; on the CPU backend the native kernel,
+    with the same bits); mean_lo (None unless lo) is mean(x) - mean from a
+    deterministic fixed-point sum, always computed in XLA.  With undecided=True,
+    also the number of slices the fast path left to the exact path (that of the
+    kernel used).  native: use the native kernel (True), the XLA one (False), or
+    decide now (None: `_use_native`).
     """
-    parts, axis, fmt, work = _kernel_parts(x, axes)
-    with jax.enable_x64(True):
-        means, var, count = _kernel.slice_moments(_ops, parts, axis, ddof, fmt, None, exact_only)
-        lows = None
-        if lo:
-            lows = [_kernel.mean_lo(_ops, p, axis, m, var, ddof, fmt) for p, m in zip(parts, means)]
-            lows = [m.astype(work) for m in lows]
-        means = [m.astype(work) for m in means]
-        var = var.astype(work)
-        count = count.astype(np.int32)
+    native = _use_native(exact_only) if native is None else bool(native) and not exact_only
+    if native:
+        means, var, count = _native_moments(x, axes, ddof)
+    else:
+        parts, axis, fmt, work = _kernel_parts(x, axes)
+        with jax.enable_x64(True):
+            means, var, count = _kernel.slice_moments(
+                _ops, parts, axis, ddof, fmt, None, exact_only
+            )
+            means = [m.astype(work) for m in means]
+            var = var.astype(work)
+            count = count.astype(np.int32)
+    lows = _mean_lo_parts(x, axes, ddof, means, var) if lo else None
     shape = _out_shape(x.shape, axes, False)
     mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
     mean_lo = None
@@ -135,7 +214,10 @@ def undecided_fraction(x, axes, ddof=0):
     """The fraction of slices of x that the fast path left to the exact path (diagnostics)."""
     x = jnp.asarray(x)
     axes = _canonical_axes(axes, x.ndim)
-    count = jax.jit(stats, static_argnums=(1, 2, 3, 4, 5))(x, axes, ddof, False, False, True)[3]
+    native = _use_native(_exact_only())
+    count = jax.jit(stats, static_argnums=(1, 2, 3, 4, 5, 6))(
+        x, axes, ddof, False, _exact_only(), True, native
+    )[3]
     kept = int(np.prod([x.shape[a] for a in range(x.ndim) if a not in axes]))
     return int(count) / max(kept, 1)
 
@@ -147,16 +229,20 @@ def residuals(x, mean_hi, mean_lo, axes):
     return ((x - lax.stop_gradient(mean_hi)) - lax.stop_gradient(mean_lo)) - linear
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _moments_real(x, axes, ddof, exact_only):
-    mh, _, var = stats(x, axes, ddof, False, exact_only)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _moments_real(x, axes, ddof, exact_only, native):
+    mh, _, var = stats(x, axes, ddof, False, exact_only, native=native)
     return mh, var
 
 
 @_moments_real.defjvp
-def _moments_real_jvp(axes, ddof, exact_only, primals, tangents):
+def _moments_real_jvp(axes, ddof, exact_only, native, primals, tangents):
     (x,), (dx,) = primals, tangents
-    mh, ml, var = stats(x, axes, ddof, True, exact_only)
+    # The primal outputs through the custom_jvp function itself: derivatives of any
+    # order never differentiate the kernel (the native FFI call has no derivative).
+    mh, var = _moments_real(x, axes, ddof, exact_only, native)
+    xs, mhs, vs = lax.stop_gradient(x), lax.stop_gradient(mh), lax.stop_gradient(var)
+    ml = _mean_lo_parts(xs, axes, ddof, [mhs.reshape(-1)], vs.reshape(-1))[0].reshape(mh.shape)
     n = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
     r = residuals(x, jnp.expand_dims(mh, axes), jnp.expand_dims(ml, axes), axes)
     # A slice with NaN or Inf gets a zero variance gradient: its NaN residuals must
@@ -167,12 +253,12 @@ def _moments_real_jvp(axes, ddof, exact_only, primals, tangents):
     return (mh, var), (dmean.astype(mh.dtype), dvar.astype(var.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _moments(x, axes, keepdims, ddof, exact_only):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _moments(x, axes, keepdims, ddof, exact_only, native=False):
     if jnp.iscomplexobj(x):
-        mean, _, var = stats(x, axes, ddof, False, exact_only)
+        mean, _, var = stats(x, axes, ddof, False, exact_only, native=native)
     else:
-        mean, var = _moments_real(x, axes, ddof, exact_only)
+        mean, var = _moments_real(x, axes, ddof, exact_only, native)
     shape = _out_shape(x.shape, axes, keepdims)
     return mean.reshape(shape), var.reshape(shape)
 
@@ -206,6 +292,8 @@ def moments(x, axes, keepdims=False, *, ddof=0):
     _compute_dtype(x.dtype)
     axes = _canonical_axes(axes, x.ndim)
     ddof = _check_ddof(ddof)
-    if not isinstance(x, jax.core.Tracer):
-        return _concrete_moments(x, axes, bool(keepdims), ddof, _exact_only())
-    return _moments(x, axes, bool(keepdims), ddof, _exact_only())
+    exact_only = _exact_only()
+    native = _use_native(exact_only)
+    if not native and not isinstance(x, jax.core.Tracer):
+        return _concrete_moments(x, axes, bool(keepdims), ddof, exact_only)
+    return _moments(x, axes, bool(keepdims), ddof, exact_only, native)

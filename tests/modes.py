@@ -10,32 +10,49 @@ import tensorflow as tf
 import jax_kernel
 import tf_stable_moments
 
+# Every implementation of the contract, in every way users run it.  The native
+# kernel serves eager mode and graphs outside XLA; "_xla" modes switch it off
+# (TF_STABLE_MOMENTS_NATIVE=0) to run the pure-XLA kernel that accelerators use,
+# "_plain" modes switch XLA off too (the fallback of plain TensorFlow operations).
 MODES = (
     "tf_eager",
-    "tf_eager_no_xla",
     "tf_function",
-    "tf_function_no_xla",
-    "tf_jit_compile",
     "tf_unknown_shape",
-    "tf_unknown_shape_no_xla",
+    "tf_jit_compile",
+    "tf_eager_xla",
+    "tf_eager_plain",
+    "tf_function_plain",
     "jax_jit",
     "jax_eager",
+    "jax_jit_xla",
 )
+# The modes that compile an XLA computation per new shape (seconds each on 2 cores): tests
+# over many shapes run them on a few representative shapes.
+XLA_MODES = ("tf_jit_compile", "tf_eager_xla", "jax_jit_xla")
+CHEAP_MODES = tuple(m for m in MODES if m not in XLA_MODES)
 
 _functions = {}
 
 
 @contextlib.contextmanager
-def xla(enabled):
-    old = os.environ.get("TF_STABLE_MOMENTS_XLA")
-    os.environ["TF_STABLE_MOMENTS_XLA"] = "1" if enabled else "0"
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TF_STABLE_MOMENTS_XLA")
+            os.environ.pop(name)
         else:
-            os.environ["TF_STABLE_MOMENTS_XLA"] = old
+            os.environ[name] = old
+
+
+def xla(enabled):
+    return _env("TF_STABLE_MOMENTS_XLA", "1" if enabled else "0")
+
+
+def native(enabled):
+    return _env("TF_STABLE_MOMENTS_NATIVE", "1" if enabled else "0")
 
 
 def _tf_function(mode, rank, dtype, axes, ddof):
@@ -56,12 +73,13 @@ def _tf_function(mode, rank, dtype, axes, ddof):
 def run(mode, x, axes, ddof=0):
     """(mean, var) of x over axes in `mode`, as numpy arrays."""
     axes = tuple(axes)
-    with xla(not mode.endswith("no_xla")):
+    plain = mode.endswith("_plain")
+    with xla(not plain), native(not (plain or mode.endswith("_xla"))):
         if mode.startswith("tf_eager"):
             out = tf_stable_moments.moments(tf.constant(x), list(axes), ddof=ddof)
         elif mode.startswith("tf_"):
             out = _tf_function(mode, x.ndim, x.dtype, axes, ddof)(tf.constant(x))
-        elif mode == "jax_jit":
+        elif mode.startswith("jax_jit"):
             out = jax_kernel.moments(x, axes, ddof=ddof)
         elif mode == "jax_eager":
             with jax.disable_jit():

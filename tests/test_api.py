@@ -212,6 +212,7 @@ def _failing_xla(fails):
 def test_without_xla_falls_back_to_plain_ops_with_the_same_bits(monkeypatch):
     x = np.random.default_rng(40).normal(1e6, 1, (64, 3)).astype(np.float32)
     expected = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")  # the native kernel needs no XLA
     monkeypatch.setitem(tf_moments._xla_state, "ok", None)
     monkeypatch.setattr(tf_moments, "_slice_moments_xla", _failing_xla(lambda part: True))
     with pytest.warns(UserWarning, match=r"XLA unavailable \(UnimplementedError\); using plain"):
@@ -222,6 +223,7 @@ def test_without_xla_falls_back_to_plain_ops_with_the_same_bits(monkeypatch):
 
 
 def test_an_error_of_the_call_itself_is_raised_not_taken_for_missing_xla(monkeypatch):
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
     monkeypatch.setitem(tf_moments._xla_state, "ok", None)
     only_large = _failing_xla(lambda part: part.shape[0] > 1)  # the 1 x 1 probe runs
     monkeypatch.setattr(tf_moments, "_slice_moments_xla", only_large)

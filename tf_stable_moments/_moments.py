@@ -1,8 +1,11 @@
-"""Public TensorFlow wrapper: validate, lay out, dispatch to XLA, differentiate.
+"""Public TensorFlow wrapper: validate, lay out, dispatch, differentiate.
 
-The kernel is moments_core/_kernel.py, shared with JAX; `_ops.py` gives it
-TensorFlow operations.  Every result is certified correctly rounded (the
-contract, docs/algorithm.md), so the bits do not depend on the mode.
+Two implementations of one contract (docs/algorithm.md), each certifying its
+results: the native C++ op (moments_core/native/moments.h, `_native`) in eager
+mode and in graphs outside XLA, and the kernel of moments_core/_kernel.py on
+TensorFlow operations (`_ops.py`) inside XLA (jit_compile) or where the native
+op is not available.  Every result is correctly rounded, so the bits do not
+depend on which one ran.
 """
 
 import os
@@ -16,7 +19,7 @@ from tensorflow.python.eager import context as _context
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
-from tf_stable_moments import _ops
+from tf_stable_moments import _native, _ops
 from tf_stable_moments._xla_context import in_xla_context
 
 _COMPUTE = {
@@ -350,6 +353,69 @@ def _parts(x):
     return [tf.cast(p, work) for p in parts]
 
 
+def _native_op():
+    """The native op where it serves this call: outside XLA, not under the exact-only switch."""
+    if in_xla_context() or _exact_only():
+        return None
+    return _native.op()
+
+
+def _native_stats(op, x, axes, ddof, lo):
+    """(mean, mean_lo, var, undecided) from the native op.
+
+    The op reads x as [outer, n, inner(, 2)]: reduced axes that are contiguous
+    need only a reshape; others are moved last first.  float16/bfloat16 data are
+    read as float32 (exact) and rounded to their own format by the op.
+    """
+    work = _compute_dtype(x.dtype)
+    fmt = FORMATS[work.name]
+    data = tf.float64 if work == tf.float64 else tf.float32
+    dims = _dims(x)
+    ndim = x.shape.rank
+    kept = [a for a in range(ndim) if a not in axes]
+    if not axes or axes == tuple(range(axes[0], axes[0] + len(axes))):  # contiguous
+        before = dims[: axes[0]] if axes else dims
+        after = dims[axes[-1] + 1 :] if axes else []
+        y = x
+    else:
+        y = tf.transpose(x, kept + list(axes))
+        before, after = [dims[a] for a in kept], []
+    shape = [_product(before), _product([dims[a] for a in axes]), _product(after)]
+    parts = 2 if x.dtype.is_complex else 1
+    if parts == 2:
+        y = tf.stack([tf.math.real(y), tf.math.imag(y)], -1)
+        shape.append(2)
+    if y.dtype != data:
+        y = tf.cast(y, data)
+    y = _reshape(y, tf.stack(shape) if any(tf.is_tensor(d) for d in shape) else shape)
+    mean, var, undecided = op(
+        y, ddof=ddof, precision=fmt.precision, emin=fmt.emin, emax=fmt.emax, parts=parts
+    )
+    out = _out_shape(x, axes, False)
+    if parts == 2:
+        mean = tf.complex(mean[..., 0], mean[..., 1])
+    else:
+        mean = tf.cast(mean, work) if work != data else mean
+    var = tf.cast(var, work) if work != data else var
+    mean_lo = None
+    if lo:  # a deterministic fixed-point sum (docs section 9): plain operations suffice
+        laid = [_layout(p, axes) for p in _parts(x)]
+        means = [tf.reshape(mean, [-1])] if parts == 1 else None
+        if parts == 2:
+            means = [tf.reshape(tf.math.real(mean), [-1]), tf.reshape(tf.math.imag(mean), [-1])]
+        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
+        lows = [
+            tf.cast(
+                _kernel.mean_lo(_ops.PLAIN, p, axis, tf.cast(m, tf.float64), v64, ddof, fmt, None),
+                work,
+            )
+            for (p, axis), m in zip(laid, means)
+        ]
+        mean_lo = lows[0] if parts == 1 else tf.complex(lows[0], lows[1])
+        mean_lo = _reshape(mean_lo, out)
+    return _reshape(mean, out), mean_lo, _reshape(var, out), undecided
+
+
 @tf.autograph.experimental.do_not_convert
 def stats(x, axes, ddof, lo=True):
     """(mean, mean_lo, var) shaped like the kept axes; mean_lo is None unless lo.
@@ -357,6 +423,9 @@ def stats(x, axes, ddof, lo=True):
     mean and var are correctly rounded; mean_lo is mean(x) - mean rounded from a
     deterministic fixed-point sum (the same bits in every mode; docs section 9).
     """
+    op = _native_op()
+    if op is not None:
+        return _native_stats(op, x, axes, ddof, lo)[:3]
     parts = _parts(x)
     laid = [_layout(p, axes) for p in parts]
     out = _slice_moments([p for p, _ in laid], laid[0][1], ddof, lo)
@@ -376,8 +445,12 @@ def undecided_fraction(x, axes, ddof=0):
     """The fraction of slices of x that the fast path left to the exact path (diagnostics)."""
     x = tf.convert_to_tensor(x)
     axes = _canonical_axes(axes, x.shape.rank)
-    laid = [_layout(p, axes) for p in _parts(x)]
-    out = _slice_moments([p for p, _ in laid], laid[0][1], _check_ddof(ddof))
+    op = _native_op()
+    if op is not None:
+        out = _native_stats(op, x, axes, _check_ddof(ddof), False)
+    else:
+        laid = [_layout(p, axes) for p in _parts(x)]
+        out = _slice_moments([p for p, _ in laid], laid[0][1], _check_ddof(ddof))
     kept = int(np.prod([x.shape[a] for a in range(x.shape.rank) if a not in axes]))
     return float(out[-1]) / max(kept, 1)
 

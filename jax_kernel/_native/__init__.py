@@ -1,0 +1,161 @@
+"""The native kernel (moments_core/native/moments.h) as an XLA FFI custom call on CPU.
+
+The library ``_stable_moments_ffi.so`` next to this file is built at install time
+(setup.py); where it is missing, it is built once at first use into a per-user cache
+directory (``moments_core.native.build.cache_dir``), one per jaxlib version and source.
+It is loaded with ctypes and its handler registered with XLA for the CPU platform,
+once per process.  If it cannot be built or loaded, `load` warns once and returns
+None, and the callers keep the pure-XLA kernel.  ``TF_STABLE_MOMENTS_NATIVE=0``
+disables the native kernel (no warning).
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import threading
+import warnings
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIBRARY = os.path.join(HERE, "_stable_moments_ffi.so")
+TARGET = "tf_stable_moments_native_moments"  # the FFI target name
+SYMBOL = "StableMoments"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in stable_moments_ffi.cc
+
+_LOCK = threading.Lock()
+_STATE = {"tried": False, "lib": None, "error": None}
+
+
+def enabled():
+    """False when TF_STABLE_MOMENTS_NATIVE=0 (the native kernel is switched off)."""
+    return os.environ.get("TF_STABLE_MOMENTS_NATIVE", "1") != "0"
+
+
+def _cache_tag():
+    """One cache directory per jaxlib version, machine and source text."""
+    import jaxlib
+
+    from moments_core.native import build
+
+    digest = hashlib.sha256()
+    root = build.source_root()
+    for path in (os.path.join(root, build.JAX_SOURCE), os.path.join(build.HERE, "moments.h")):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"jax-{jaxlib.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
+
+
+def _build_in_cache():
+    """The library built into the cache directory (once); (path, None) or (None, reason)."""
+    from moments_core.native import build
+
+    try:
+        directory = build.cache_dir(_cache_tag())
+    except OSError as e:  # the sources are not installed
+        return None, f"the native sources are missing ({e})"
+    target = os.path.join(directory, os.path.basename(LIBRARY))
+    if os.path.exists(target):
+        return target, None
+    err = build.compile_library(
+        build.JAX_SOURCE,
+        target,
+        build.framework_flags("jax", in_process=True),
+        root=build.source_root(),
+    )
+    return (None, err) if err else (target, None)
+
+
+def _open(path):
+    lib = ctypes.CDLL(path)
+    handler = getattr(lib, SYMBOL)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    return lib
+
+
+def _load_once():
+    errors = []
+    if os.path.exists(LIBRARY):
+        try:
+            return _open(LIBRARY), None
+        except (OSError, AttributeError) as e:  # a stale or foreign build: rebuild it
+            errors.append(f"{LIBRARY}: {e}")
+    path, err = _build_in_cache()
+    if path is None:
+        errors.append(err)
+        return None, "; ".join(errors)
+    try:
+        return _open(path), None
+    except Exception as e:  # noqa: BLE001 - any failure means: use the XLA kernel
+        errors.append(f"{path}: {e}")
+        return None, "; ".join(errors)
+
+
+def load():
+    """The loaded library with its FFI target registered, or None (XLA kernel).
+
+    Thread-safe; builds or loads at most once per process.  None without a
+    warning when TF_STABLE_MOMENTS_NATIVE=0; with one warning (the first time)
+    when the library cannot be built or loaded.
+    """
+    if not enabled():
+        return None
+    if _STATE["tried"]:
+        return _STATE["lib"]
+    with _LOCK:
+        if not _STATE["tried"]:
+            try:
+                lib, err = _load_once()
+            except Exception as e:  # noqa: BLE001
+                lib, err = None, f"{type(e).__name__}: {e}"
+            _STATE["lib"], _STATE["error"] = lib, err
+            _STATE["tried"] = True
+            if lib is None:
+                warnings.warn(
+                    "jax_kernel: the native CPU moments kernel is unavailable "
+                    f"({err}); using the XLA kernel (same results, slower). "
+                    "Set TF_STABLE_MOMENTS_NATIVE=0 to silence this warning.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    return _STATE["lib"]
+
+
+def available():
+    """True when the native kernel is enabled and loaded (building it if needed)."""
+    return load() is not None
+
+
+def moments_call(x, ddof, fmt):
+    """The FFI call on x [..., n, inner, parts] (float32 or float64, parts 1 or 2).
+
+    fmt: the target format (moments_core._formats.Format); float16 and bfloat16
+    data come as float32 and their results are exact values of fmt.  Every
+    dimension before the last three is a batch of slices.  Returns (mean
+    [..., inner, parts], var [..., inner], undecided int64 []): the number of
+    slices the rounding test left to the exact path (under vmap, one per batch
+    element).  Works under jit, vmap and eagerly.
+    """
+    if load() is None:
+        raise RuntimeError("moments_call: the native kernel is unavailable or switched off")
+    if x.ndim < 3 or x.shape[-1] not in (1, 2):
+        raise ValueError(f"moments_call: x must be [..., n, inner, parts]; got {x.shape}")
+    dtype = np.dtype(x.dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"moments_call: x must be float32 or float64; got {dtype.name}")
+    lead, inner = tuple(x.shape[:-3]), tuple(x.shape[-2:])
+    with jax.enable_x64(True):
+        out = (
+            jax.ShapeDtypeStruct(lead + inner, dtype),
+            jax.ShapeDtypeStruct(lead + inner[:1], dtype),
+            jax.ShapeDtypeStruct((), np.int64),
+        )
+        call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
+        return call(
+            x,
+            ddof=np.int64(ddof),
+            precision=np.int64(fmt.precision),
+            emin=np.int64(fmt.emin),
+            emax=np.int64(fmt.emax),
+        )

@@ -1,0 +1,116 @@
+// XLA FFI custom call "stable_moments": the native kernel (moments_core/native/moments.h)
+// for JAX on CPU.
+//
+//   x [..., n, inner, parts] of F32 or F64 (parts 1, or 2: real and imaginary parts)
+//   -> mean [..., inner, parts] (x's dtype), var [..., inner] (x's dtype), undecided s64 [b].
+//
+// Every dimension before the last three is flattened into the kernel's `outer`: a batch
+// dimension that vmap adds in front (vmap_method "expand_dims" / "broadcast_all") is just
+// more slices.  undecided (the slices the rounding test left to the exact path) has any
+// shape of m elements, m dividing outer: count g is that of the g-th of m equal groups of
+// outer (the call returns s64 []; vmap turns it into [batch], one count per batch element).
+// Attributes: ddof, precision, emin, emax (the target format: float16 and bfloat16 data
+// come as float32, and their results are values of their own format, exactly castable back).
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "moments.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+int Threads() {
+  unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::min<unsigned>(std::max<unsigned>(hw, 1u), 8u));
+}
+
+// groups calls of the kernel, each on outer / groups consecutive blocks of x.
+template <typename T>
+void Run(const ffi::AnyBuffer& x, int64_t outer, int64_t n, int64_t inner, int parts,
+         int64_t ddof, const stable_moments::Format& f, ffi::Result<ffi::AnyBuffer>& mean,
+         ffi::Result<ffi::AnyBuffer>& var, int64_t groups, int64_t* undecided) {
+  const int64_t per = groups > 0 ? outer / groups : 0;
+  const T* xs = x.typed_data<T>();
+  T* ms = mean->typed_data<T>();
+  T* vs = var->typed_data<T>();
+  for (int64_t g = 0; g < groups; ++g) {
+    stable_moments::Result r = stable_moments::moments<T>(
+        xs + g * per * n * inner * parts, per, n, inner, parts, ddof, f,
+        ms + g * per * inner * parts, vs + g * per * inner, Threads());
+    undecided[g] = r.undecided;
+  }
+}
+
+ffi::Error StableMomentsImpl(ffi::AnyBuffer x, int64_t ddof, int64_t precision, int64_t emin,
+                             int64_t emax, ffi::Result<ffi::AnyBuffer> mean,
+                             ffi::Result<ffi::AnyBuffer> var,
+                             ffi::Result<ffi::AnyBuffer> undecided) {
+  auto dims = x.dimensions();
+  const size_t rank = dims.size();
+  if (rank < 3) {
+    return ffi::Error::InvalidArgument(
+        "stable_moments: x must have rank >= 3 ([..., n, inner, parts]), got rank " +
+        std::to_string(rank));
+  }
+  int64_t outer = 1;
+  for (size_t d = 0; d + 3 < rank; ++d) outer *= dims[d];
+  const int64_t n = dims[rank - 3], inner = dims[rank - 2], parts = dims[rank - 1];
+  if (parts != 1 && parts != 2) {
+    return ffi::Error::InvalidArgument("stable_moments: the last dimension (parts) must be 1 "
+                                       "or 2, got " + std::to_string(parts));
+  }
+  if (n >= (int64_t(1) << 46)) {
+    return ffi::Error::InvalidArgument("moments: a slice of " + std::to_string(n) +
+                                       " elements exceeds the kernel's 2**46 limit");
+  }
+  if (ddof < 0) return ffi::Error::InvalidArgument("stable_moments: ddof must be >= 0");
+  if (mean->element_type() != x.element_type() || var->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("stable_moments: outputs must have x's dtype");
+  }
+  if (mean->element_count() != outer * inner * parts ||
+      var->element_count() != outer * inner) {
+    return ffi::Error::InvalidArgument("stable_moments: output shapes do not match x");
+  }
+  const int64_t groups = static_cast<int64_t>(undecided->element_count());
+  if (undecided->element_type() != ffi::DataType::S64 ||
+      (groups == 0 ? outer != 0 : outer % groups != 0)) {
+    return ffi::Error::InvalidArgument(
+        "stable_moments: undecided must be s64 with a count of elements dividing outer");
+  }
+  stable_moments::Format f;
+  f.precision = static_cast<int>(precision);
+  f.emin = static_cast<int>(emin);
+  f.emax = static_cast<int>(emax);
+  int64_t* counts = undecided->typed_data<int64_t>();
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      if (f.precision > 24) {
+        return ffi::Error::InvalidArgument("stable_moments: float32 data with precision > 24");
+      }
+      Run<float>(x, outer, n, inner, static_cast<int>(parts), ddof, f, mean, var, groups, counts);
+      break;
+    case ffi::DataType::F64:
+      Run<double>(x, outer, n, inner, static_cast<int>(parts), ddof, f, mean, var, groups, counts);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("stable_moments: x must be float32 or float64");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StableMoments, StableMomentsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Attr<int64_t>("ddof")
+                                  .Attr<int64_t>("precision")
+                                  .Attr<int64_t>("emin")
+                                  .Attr<int64_t>("emax")
+                                  .Ret<ffi::AnyBuffer>()                 // mean
+                                  .Ret<ffi::AnyBuffer>()                 // var
+                                  .Ret<ffi::AnyBuffer>());                // undecided

@@ -1,0 +1,780 @@
+// The certified moments kernel in C++ (docs/algorithm.md, section 10: the native kernel).
+//
+// Same contract as moments_core/_kernel.py: for every slice, the exact mean and variance of
+// the input floats rounded once to the target format.  The same three steps:
+//
+//   1. fast sums (section 4): per slice, with K the slice's first element and y = x - K,
+//      S1 = sum y and S2 = sum y**2 in float64 (float64 pairs for float64 input), in an order
+//      chosen for speed (lanes, blocks, threads): the error bounds hold for any order;
+//   2. the rounding test (section 5): the bounds of moments_core/_kernel.py `approximate`,
+//      `approximate_pairs`, `variance_of`, `certify`, term for term;
+//   3. the exact path (section 7) for the slices the test leaves open (and NaN/Inf):
+//      integer sums of the inputs' significands in a fixed-point big integer, the
+//      numerator n S2 - S1**2 in integers, one rounding by integer division.
+//
+// Only the header and the standard library: the TensorFlow op (tf_stable_moments/_native)
+// and the JAX FFI call (jax_kernel/_native) include it.  Compiled with -ffp-contract=off
+// (TwoSum and the splitting need their roundings) and without -ffast-math.
+#ifndef TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_
+#define TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace stable_moments {
+
+// ------------------------------------------------------------------ formats (section 2)
+struct Format {
+  int precision;  // p: significant bits
+  int emin;       // smallest normal number 2**emin: inputs and results below it flush to 0
+  int emax;       // results >= 2**emax are inf
+  int base() const { return emin - 52; }   // lowest bit of a normal input read as float64
+  int top() const { return emax - 1 - emin; }  // largest exponent - base of a finite input
+  bool wide() const { return precision <= 24; }  // float64 sums suffice (else pairs)
+};
+
+constexpr double kU = 1.0 / 9007199254740992.0;  // 2**-53
+constexpr double kMargin = 1.0 + 1.0 / 1048576.0;  // 1 + 2**-20
+const double kTiny = std::ldexp(1.0, -1000);  // pairs: what a flushed intermediate can lose
+
+inline int64_t bits_of(double a) {
+  int64_t b;
+  std::memcpy(&b, &a, 8);
+  return b;
+}
+inline double from_bits(int64_t b) {
+  double a;
+  std::memcpy(&a, &b, 8);
+  return a;
+}
+inline double pow2(int k) { return from_bits(static_cast<int64_t>(k + 1023) << 52); }
+inline int exponent_of(double a) {  // floor(log2 |a|) of a normal double; -1023 for zero
+  return static_cast<int>((bits_of(a) >> 52) & 0x7FF) - 1023;
+}
+inline double gamma(double k) { return k * kU * (1.0 + 2.0 * k * kU); }
+
+// ------------------------------------------------------------------ error-free steps
+inline void two_sum(double a, double b, double& s, double& e) {
+  s = a + b;
+  double bb = s - a;
+  e = (a - (s - bb)) + (b - bb);
+}
+inline void fast_two_sum(double a, double b, double& s, double& e) {
+  s = a + b;
+  e = b - (s - a);
+}
+inline void split(double a, double& hi, double& lo) {  // hi: 26 significant bits, by integers
+  hi = from_bits((bits_of(a) + (int64_t(1) << 26)) & ~((int64_t(1) << 27) - 1));
+  lo = a - hi;
+}
+inline void two_prod(double a, double b, double& p, double& e) {
+  double ah, al, bh, bl, e1, e2;
+  split(a, ah, al);
+  split(b, bh, bl);
+  two_sum(ah * bh, ah * bl, p, e1);
+  two_sum(p, al * bh, p, e2);
+  e = (e1 + e2) + al * bl;
+}
+struct Pair {
+  double h = 0.0, l = 0.0;
+};
+inline Pair df_add(Pair a, Pair b) {
+  double s, e;
+  two_sum(a.h, b.h, s, e);
+  Pair r;
+  fast_two_sum(s, e + (a.l + b.l), r.h, r.l);
+  return r;
+}
+inline Pair df_mul(Pair a, Pair b) {
+  double p, e, c1, c2, t;
+  two_prod(a.h, b.h, p, e);
+  two_prod(a.h, b.l, c1, t);
+  two_prod(a.l, b.h, c2, t);
+  Pair r;
+  fast_two_sum(p, e + (c1 + c2), r.h, r.l);
+  return r;
+}
+inline void square(double dh, double dl, double& qh, double& ql) {
+  double ah, al, ch, cl, q1;
+  split(dh, ah, al);
+  split(dl, ch, cl);
+  double a2 = ah + ah;
+  two_sum(ah * ah, a2 * al, qh, q1);
+  ql = q1 + ((al * al + a2 * ch) + (a2 * cl + (al + al) * ch));
+}
+
+// 1/n as a float64 pair (h, l): h = fl(1/n), l = fl(1/n - h), exactly as
+// moments_core/_kernel.py `reciprocal_pair` rounds them on the host (n < 2**46).  With
+// h = M 2**E, 1/n - h = (2**-E - n M) 2**E / n; the integer r = 2**-E - n M is exact in
+// 128 bits and |r| < n < 2**53, so l = fl(r 2**E / n) is one IEEE division.
+inline Pair reciprocal_pair(int64_t n) {
+  Pair r;
+  double nd = static_cast<double>(n);
+  r.h = 1.0 / nd;
+  int e;
+  double m = std::frexp(r.h, &e);  // h = m 2**e, 0.5 <= m < 1
+  int64_t M = static_cast<int64_t>(std::ldexp(m, 53));
+  int E = e - 53;  // h = M 2**E, -E <= 99
+  __int128 rem = ((__int128)1 << (-E)) - (__int128)n * M;
+  r.l = std::ldexp(static_cast<double>(static_cast<int64_t>(rem)), E) / nd;
+  return r;
+}
+
+// ------------------------------------------------------------------ rounding test
+struct Nearest {
+  double c, lo, hi;
+};
+inline Nearest nearest(double a, const Format& f) {  // a > 0 normal
+  int p = f.precision;
+  int e = exponent_of(a);
+  double unit = pow2(e - (p - 1));
+  double k = std::nearbyint(a * pow2((p - 1) - e));  // ties to even (default mode)
+  double c = k * unit;
+  bool top = k == std::ldexp(1.0, p);
+  bool power = top || k == std::ldexp(1.0, p - 1);
+  double ulp = top ? unit + unit : unit;
+  return {c, c - (power ? 0.25 * ulp : 0.5 * ulp), c + 0.5 * ulp};
+}
+
+// The correctly rounded value of every number within err of v = (h, l), if one exists.
+inline bool certify(Pair v, double err, const Format& f, double& out) {
+  double h = v.h, l = v.l;
+  double tiny = std::ldexp(1.0, f.emin);
+  bool negative = h < 0;
+  double a = std::fabs(h);
+  double low = negative ? -l : l;
+  bool zero;
+  bool ok;
+  double value, gap;
+  if (f.precision == 53) {
+    zero = a == 0.0 && low == 0.0 && err == 0.0;
+    int e = exponent_of(a);
+    ok = e >= -969 && e <= 1023;
+    double unit = pow2(ok ? e - 52 : 0);
+    bool power = (bits_of(a) & ((int64_t(1) << 52) - 1)) == 0;
+    double below = power ? 0.25 * unit : 0.5 * unit;
+    gap = low >= 0 ? 0.5 * unit - low : below + low;
+    value = a;
+  } else {
+    zero = a < 0.25 * tiny && std::fabs(low) < 0.25 * tiny && err < 0.25 * tiny;
+    ok = a >= 0.25 * tiny && a < std::ldexp(1.0, 1000);
+    double safe = ok ? a : 1.0;
+    Nearest nr = nearest(safe, f);
+    gap = std::min(nr.hi - safe, safe - nr.lo);
+    value = nr.c;
+    if (value >= std::ldexp(1.0, f.emax)) value = std::numeric_limits<double>::infinity();
+    if (value < tiny) value = 0.0;
+  }
+  bool decided = (ok && err + err < gap) || zero;
+  if (zero) value = 0.0;
+  if (negative && value != 0.0) value = -value;
+  out = value;
+  return decided;
+}
+
+// ------------------------------------------------------------------ fast sums (section 4)
+// Per slice: s1 = sum y, s2 = sum y**2 (wide formats: l parts unused).
+struct Sums {
+  double h1 = 0.0, l1 = 0.0, h2 = 0.0, l2 = 0.0;
+};
+
+template <typename T>
+inline double flushed(T v, double tiny) {
+  double d = static_cast<double>(v);
+  return std::fabs(d) < tiny ? 0.0 : d;
+}
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int64_t v4i __attribute__((vector_size(32)));
+
+template <typename T>
+inline v4d load4(const T* p);
+template <>
+inline v4d load4<float>(const float* p) {
+  v4f f;
+  std::memcpy(&f, p, sizeof(f));
+  return __builtin_convertvector(f, v4d);
+}
+template <>
+inline v4d load4<double>(const double* p) {
+  v4d d;
+  std::memcpy(&d, p, sizeof(d));
+  return d;
+}
+inline v4d flush4(v4d d, v4d tiny) {
+  v4d a = (v4d)((v4i)d & (v4i){INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX});
+  return a < tiny ? (v4d){0.0, 0.0, 0.0, 0.0} : d;
+}
+
+// Rows [k0, k1) of the slices (o, i), i in [i0, i1), of x laid out [outer, n, inner]: their
+// sums are added into s1[i - i0], s2[i - i0] (pairs: l1, l2 too).  The order of the
+// additions (lanes of 4 x 4 for rows, one accumulator per column otherwise, blocks of rows
+// per thread) is free: every bound of section 4 holds for any order.
+template <typename T>
+void accumulate(const T* x, int64_t n, int64_t inner, int64_t o, int64_t k0, int64_t k1,
+                int64_t i0, int64_t i1, const double* K, bool pairs, double tiny, double* s1,
+                double* l1, double* s2, double* l2) {
+  const T* base = x + o * n * inner;
+  if (inner == 1 && !pairs) {  // one contiguous slice: 16 lanes
+    const T* p = base;
+    const v4d kv = {K[0], K[0], K[0], K[0]}, tv = {tiny, tiny, tiny, tiny};
+    v4d a1[4] = {}, a2[4] = {};
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      for (int j = 0; j < 4; ++j) {
+        v4d y = flush4(load4(p + k + 4 * j), tv) - kv;
+        a1[j] += y;
+        a2[j] += y * y;
+      }
+    }
+    double t1 = 0.0, t2 = 0.0;
+    for (; k < k1; ++k) {
+      double y = flushed(p[k], tiny) - K[0];
+      t1 += y;
+      t2 += y * y;
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int q = 0; q < 4; ++q) {
+        t1 += a1[j][q];
+        t2 += a2[j][q];
+      }
+    s1[0] += t1;
+    s2[0] += t2;
+    return;
+  }
+  const int64_t w = i1 - i0;
+  if (!pairs) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const T* __restrict row = base + k * inner + i0;
+      double* __restrict a = s1;
+      double* __restrict b = s2;
+      const double* __restrict kk = K;
+      for (int64_t i = 0; i < w; ++i) {
+        double y = flushed(row[i], tiny) - kk[i];
+        a[i] += y;
+        b[i] += y * y;
+      }
+    }
+    return;
+  }
+  // float64 pairs: y = x - K exactly as (yh, yl); compensated sums of y and of y**2.
+  for (int64_t k = k0; k < k1; ++k) {
+    const T* row = base + k * inner + i0;
+    for (int64_t i = 0; i < w; ++i) {
+      double yh, yl, s, e, qh, ql;
+      two_sum(flushed(row[i], tiny), -K[i], yh, yl);
+      two_sum(s1[i], yh, s, e);
+      s1[i] = s;
+      l1[i] += e + yl;
+      square(yh, yl, qh, ql);
+      two_sum(s2[i], qh, s, e);
+      s2[i] = s;
+      l2[i] += e + ql;
+    }
+  }
+}
+
+constexpr int64_t kBlock = 512;  // columns per block
+
+// Partial sums of a task, one array per quantity (columns vectorise).
+struct SumArrays {
+  std::vector<double> h1, l1, h2, l2;
+  explicit SumArrays(size_t m) : h1(m, 0.0), l1(m, 0.0), h2(m, 0.0), l2(m, 0.0) {}
+  Sums at(size_t s) const { return {h1[s], l1[s], h2[s], l2[s]}; }
+  void add(const SumArrays& b, bool pairs) {
+    for (size_t s = 0; s < h1.size(); ++s) {
+      if (!pairs) {
+        h1[s] += b.h1[s];
+        h2[s] += b.h2[s];
+        continue;
+      }
+      double t, e;
+      two_sum(h1[s], b.h1[s], t, e);
+      h1[s] = t;
+      l1[s] += e + b.l1[s];
+      two_sum(h2[s], b.h2[s], t, e);
+      h2[s] = t;
+      l2[s] += e + b.l2[s];
+    }
+  }
+};
+
+// ------------------------------------------------------------------ bounds (section 4)
+struct Approx {
+  Pair mean;
+  double mean_err;
+  Pair num;
+  double num_err;
+  bool bad;
+};
+
+// moments_core/_kernel.py `approximate`, term for term.
+inline Approx approximate(double k, double s1, double s2, double n, Pair rn) {
+  Approx a;
+  a.bad = !std::isfinite(s2) || !std::isfinite(s1);
+  double b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * kMargin;
+  double d2 = gamma(n + 2.0) * b_up;
+  double a_abs = std::sqrt(n * b_up) * kMargin;
+  double d1 = gamma(n + 1.0) * a_abs * kMargin;
+  double t = s1 * rn.h;
+  double mean = k + t;
+  double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
+  mean_err = (mean_err + kU * std::fabs(mean)) * kMargin;
+  double corr = (s1 * s1) * rn.h;
+  double d_corr = d1 * (2.0 * std::fabs(s1) + d1) * rn.h * kMargin + 4.0 * kU * std::fabs(corr);
+  double num = s2 - corr;
+  a.mean = {mean, 0.0};
+  a.mean_err = mean_err;
+  a.num = {num, 0.0};
+  a.num_err = (d2 + d_corr + kU * std::fabs(num)) * kMargin;
+  return a;
+}
+
+// moments_core/_kernel.py `approximate_pairs`, term for term.
+inline Approx approximate_pairs(double k, const Sums& sm, double n, Pair rn) {
+  Approx a;
+  Pair s1, s2;
+  two_sum(sm.h1, sm.l1, s1.h, s1.l);
+  two_sum(sm.h2, sm.l2, s2.h, s2.l);
+  a.bad = !std::isfinite(s2.h) || !std::isfinite(s1.h) || !std::isfinite(s2.l + s1.l);
+  double u2 = kU * kU;
+  double b_up = (s2.h + std::fabs(s2.l)) * (1.0 + 4.0 * n * kU) * kMargin + n * kTiny;
+  double e2 = (gamma(2.0 * n + 2.0) * (n + 3.0) * kU + 32.0 * u2) * b_up * kMargin + n * kTiny;
+  double a_abs = std::sqrt(n * b_up) * kMargin;
+  double e1 = gamma(2.0 * n + 2.0) * (n + 1.0) * kU * a_abs * kMargin + n * kTiny;
+  Pair t = df_mul(s1, rn);
+  Pair mean = df_add({k, 0.0}, t);
+  double abs_s1 = std::fabs(s1.h) + std::fabs(s1.l);
+  double mean_err =
+      (e1 * rn.h + 16.0 * u2 * std::fabs(t.h) + 4.0 * u2 * abs_s1 * rn.h) * kMargin;
+  mean_err = (mean_err + 8.0 * u2 * (std::fabs(k) + std::fabs(t.h)) + kTiny) * kMargin;
+  Pair corr = df_mul(df_mul(s1, rn), s1);
+  double e_corr = ((2.0 * abs_s1 + e1) * e1 * rn.h + 40.0 * u2 * std::fabs(corr.h)) * kMargin;
+  Pair num = df_add(s2, {-corr.h, -corr.l});
+  double num_err = e2 + e_corr + 8.0 * u2 * (std::fabs(s2.h) + std::fabs(corr.h)) + kTiny;
+  bool constant = s1.h == 0.0 && s1.l == 0.0 && s2.h == 0.0 && s2.l == 0.0 &&
+                  std::fabs(k) >= std::ldexp(1.0, -450);
+  a.mean = mean;
+  a.mean_err = constant ? 0.0 : mean_err;
+  a.num = num;
+  a.num_err = constant ? 0.0 : num_err * kMargin;
+  return a;
+}
+
+// ------------------------------------------------------------------ exact path (section 7)
+// Non-negative big integers, little-endian 64-bit limbs.  Every step is exact.
+using Big = std::vector<uint64_t>;
+
+inline void trim(Big& a) {
+  while (!a.empty() && a.back() == 0) a.pop_back();
+}
+inline void add_word(Big& a, uint64_t w, size_t limb) {  // a += w * 2**(64 limb)
+  while (w) {
+    if (limb >= a.size()) a.resize(limb + 1, 0);
+    uint64_t s = a[limb] + w;
+    w = s < w ? 1 : 0;
+    a[limb] = s;
+    ++limb;
+  }
+}
+inline void add_shifted(Big& a, unsigned __int128 v, int64_t bit) {  // a += v * 2**bit
+  size_t limb = static_cast<size_t>(bit / 64);
+  int sh = static_cast<int>(bit % 64);
+  uint64_t parts[2] = {static_cast<uint64_t>(v), static_cast<uint64_t>(v >> 64)};
+  for (int j = 0; j < 2; ++j) {
+    uint64_t w = parts[j];
+    if (!w) continue;
+    add_word(a, w << sh, limb + j);
+    if (sh) add_word(a, w >> (64 - sh), limb + j + 1);
+  }
+}
+inline int cmp(const Big& a, const Big& b) {  // both trimmed
+  if (a.size() != b.size()) return a.size() < b.size() ? -1 : 1;
+  for (size_t i = a.size(); i-- > 0;)
+    if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+  return 0;
+}
+inline Big sub(const Big& a, const Big& b) {  // a - b for a >= b
+  Big r(a);
+  uint64_t borrow = 0;
+  for (size_t i = 0; i < r.size(); ++i) {
+    uint64_t bi = i < b.size() ? b[i] : 0;
+    uint64_t d = r[i] - bi - borrow;
+    borrow = (r[i] < bi || (r[i] - bi) < borrow) ? 1 : 0;
+    r[i] = d;
+  }
+  trim(r);
+  return r;
+}
+inline Big add(const Big& a, const Big& b) {
+  Big r(a);
+  for (size_t i = 0; i < b.size(); ++i) add_word(r, b[i], i);
+  trim(r);
+  return r;
+}
+inline Big mul(const Big& a, const Big& b) {
+  Big r(a.size() + b.size() + 1, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    unsigned __int128 carry = 0;
+    for (size_t j = 0; j < b.size(); ++j) {
+      unsigned __int128 t = (unsigned __int128)a[i] * b[j] + r[i + j] + carry;
+      r[i + j] = static_cast<uint64_t>(t);
+      carry = t >> 64;
+    }
+    size_t k = i + b.size();
+    while (carry) {
+      unsigned __int128 t = (unsigned __int128)r[k] + carry;
+      r[k++] = static_cast<uint64_t>(t);
+      carry = t >> 64;
+    }
+  }
+  trim(r);
+  return r;
+}
+inline Big shl(const Big& a, int bits) {
+  Big r(a.size() + bits / 64 + 1, 0);
+  int sh = bits % 64;
+  for (size_t i = 0; i < a.size(); ++i) {
+    r[i + bits / 64] |= a[i] << sh;
+    if (sh) r[i + bits / 64 + 1] |= a[i] >> (64 - sh);
+  }
+  trim(r);
+  return r;
+}
+inline uint64_t divmod(Big& a, uint64_t d) {  // a = floor(a / d); returns the remainder
+  unsigned __int128 rem = 0;
+  for (size_t i = a.size(); i-- > 0;) {
+    unsigned __int128 cur = (rem << 64) | a[i];
+    a[i] = static_cast<uint64_t>(cur / d);
+    rem = cur % d;
+  }
+  trim(a);
+  return static_cast<uint64_t>(rem);
+}
+inline int64_t bit_length(const Big& a) {  // trimmed
+  if (a.empty()) return 0;
+  return 64 * static_cast<int64_t>(a.size() - 1) + (64 - __builtin_clzll(a.back()));
+}
+inline bool bit(const Big& a, int64_t i) {
+  return (a[static_cast<size_t>(i / 64)] >> (i % 64)) & 1;
+}
+inline bool any_below(const Big& a, int64_t i) {  // any bit below position i set
+  for (int64_t limb = 0; limb < i / 64; ++limb)
+    if (a[static_cast<size_t>(limb)]) return true;
+  return i % 64 && (a[static_cast<size_t>(i / 64)] & ((uint64_t(1) << (i % 64)) - 1));
+}
+
+// (num / (d1 d2)) * 2**scale rounded once to f: nearest, ties to even, then overflow to inf
+// and results below 2**emin to 0 (the oracle's round_rational).  floor(floor(a/b)/c) ==
+// floor(a/(bc)), and the remainder is zero iff both are: one exact quotient and sticky bit.
+inline double round_ratio(Big num, bool negative, int64_t scale, uint64_t d1, uint64_t d2,
+                          const Format& f) {
+  trim(num);
+  if (num.empty()) return 0.0;
+  const int G = 192;  // q >= 2**(G - 128) > 2**(p + 2): enough bits for one rounding
+  Big q = shl(num, G);
+  bool sticky = divmod(q, d1) != 0;
+  if (d2 != 1) sticky = (divmod(q, d2) != 0) || sticky;
+  int64_t L = bit_length(q);
+  int64_t drop = L - f.precision;  // > 0
+  uint64_t m = 0;
+  for (int64_t i = L - 1; i >= drop; --i) m = (m << 1) | (bit(q, i) ? 1 : 0);
+  bool half = bit(q, drop - 1);
+  sticky = sticky || any_below(q, drop - 1);
+  if (half && (sticky || (m & 1))) ++m;
+  int64_t e = scale - G + drop;  // value = m * 2**e
+  if (m == (uint64_t(1) << f.precision)) {
+    m >>= 1;
+    ++e;
+  }
+  int64_t lead = e + f.precision - 1;  // 2**lead <= value < 2**(lead + 1)
+  double value;
+  if (lead >= f.emax) {
+    value = std::numeric_limits<double>::infinity();
+  } else if (lead < f.emin) {
+    return 0.0;
+  } else {
+    value = std::ldexp(static_cast<double>(m), static_cast<int>(e));
+  }
+  return negative ? -value : value;
+}
+
+// One part of one slice: exact integer sums and the special values it holds.
+struct ExactPart {
+  Big pos, neg, sq;  // S1 = pos - neg and S2 = sq, in units 2**base and 2**(2 base)
+  bool nan = false, pinf = false, ninf = false;
+};
+
+// Significands binned by the input's own exponent field: bin E holds sum +-m and sum m**2
+// of the inputs m * 2**(E - bias - mantissa bits).  Integer adds are exact and associative;
+// a float32 bin of n < 2**46 signed 24-bit m needs 70 bits, of m**2 94: 128-bit bins.  A
+// float64 bin of m**2 (106 bits) carries into a 64-bit overflow count.  The bins are then
+// added into big integers at their bit positions above 2**base (2**(2 base) for squares).
+template <typename T>
+struct Binned;
+template <>
+struct Binned<float> {
+  static constexpr int kBins = 256, kMant = 23, kBias = 127;
+};
+template <>
+struct Binned<double> {
+  static constexpr int kBins = 2048, kMant = 52, kBias = 1023;
+};
+
+template <typename T>
+class BinSums {
+ public:
+  using B = Binned<T>;
+  using Bits = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
+
+  explicit BinSums(const Format& f)
+      : tiny_(std::ldexp(1.0, f.emin)), s1_(B::kBins, 0), s2_(B::kBins, 0), c2_(B::kBins, 0) {}
+
+  void add(T v) {
+    Bits b;
+    std::memcpy(&b, &v, sizeof(T));
+    int e = static_cast<int>((b >> B::kMant) & (B::kBins - 1));
+    bool negative = (b >> (8 * sizeof(T) - 1)) & 1;
+    if (e == B::kBins - 1) {  // Inf or NaN
+      if (b & kMantMask) {
+        r_.nan = true;
+      } else {
+        (negative ? r_.ninf : r_.pinf) = true;
+      }
+      return;
+    }
+    if (std::fabs(static_cast<double>(v)) < tiny_) return;  // flushed (section 2); zeros
+    uint64_t m = static_cast<uint64_t>((b & kMantMask) | (Bits(1) << B::kMant));  // e > 0
+    s1_[e] += negative ? -(__int128)m : (__int128)m;
+    unsigned __int128 q = (unsigned __int128)m * m;
+    unsigned __int128 t = s2_[e] + q;
+    c2_[e] += t < q ? 1 : 0;
+    s2_[e] = t;
+  }
+
+  // The bins added into big integers at their bit positions: bin e holds values
+  // m 2**(e - bias - mant) = m 2**(base + at).
+  ExactPart finish(const Format& f) {
+    ExactPart r = r_;
+    const int base = f.base();
+    for (int e = 1; e < B::kBins - 1; ++e) {
+      int64_t at = static_cast<int64_t>(e) - B::kBias - B::kMant - base;
+      if (at < 0) continue;  // below the format's normal range: flushed, never filled
+      if (s1_[e] != 0) {
+        bool neg = s1_[e] < 0;
+        unsigned __int128 mag = neg ? (unsigned __int128)(-s1_[e]) : (unsigned __int128)s1_[e];
+        add_shifted(neg ? r.neg : r.pos, mag, at);
+      }
+      if (s2_[e] != 0) add_shifted(r.sq, s2_[e], 2 * at);
+      if (c2_[e] != 0) add_shifted(r.sq, c2_[e], 2 * at + 128);
+    }
+    trim(r.pos);
+    trim(r.neg);
+    trim(r.sq);
+    return r;
+  }
+
+ private:
+  static constexpr Bits kMantMask = (Bits(1) << B::kMant) - 1;
+  double tiny_;
+  std::vector<__int128> s1_;
+  std::vector<unsigned __int128> s2_;
+  std::vector<uint64_t> c2_;
+  ExactPart r_;
+};
+
+template <typename T>
+ExactPart exact_part(const T* x, int64_t n, int64_t stride, const Format& f) {
+  BinSums<T> bins(f);
+  for (int64_t k = 0; k < n; ++k) bins.add(x[k * stride]);
+  return bins.finish(f);
+}
+
+// Mean (per part) and variance of one slice from its exact parts, with the special values
+// of section 8: a NaN, or both infinities, make a part's mean NaN, one infinity makes it
+// that infinity; any of them makes the variance NaN.
+inline void exact_result(const ExactPart* ex, int parts, int64_t n, int64_t ddof,
+                         const Format& f, double* means, double& var) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  bool special = false;
+  Big numerator;
+  for (int j = 0; j < parts; ++j) {
+    const ExactPart& e = ex[j];
+    bool neg = cmp(e.neg, e.pos) > 0;
+    Big a = neg ? sub(e.neg, e.pos) : sub(e.pos, e.neg);
+    means[j] = round_ratio(a, neg, f.base(), static_cast<uint64_t>(n), 1, f);
+    if (e.nan || (e.pinf && e.ninf)) {
+      means[j] = nan;
+    } else if (e.pinf || e.ninf) {
+      means[j] = e.pinf ? inf : -inf;
+    }
+    special = special || e.nan || e.pinf || e.ninf;
+    Big ns = mul(e.sq, Big{static_cast<uint64_t>(n)});
+    numerator = add(numerator, sub(ns, mul(a, a)));  // n S2 - S1**2 >= 0 (exact)
+  }
+  var = (special || n - ddof <= 0)
+            ? nan
+            : round_ratio(numerator, false, 2 * static_cast<int64_t>(f.base()),
+                          static_cast<uint64_t>(n), static_cast<uint64_t>(n - ddof), f);
+}
+
+// ------------------------------------------------------------------ the whole kernel
+struct Result {
+  int64_t undecided = 0;  // slices the rounding test left to the exact path
+};
+
+// x: [outer, n, inner, parts] (parts 1, or 2 for the real and imaginary parts of complex
+// data).  Writes mean [outer, inner, parts] and var [outer, inner] as values of f.
+template <typename T>
+Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int64_t ddof,
+               const Format& f, T* mean_out, T* var_out, int threads) {
+  Result res;
+  const int64_t width = inner * parts;  // columns of the [outer, n, width] view
+  const int64_t slices = outer * width;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const bool defined = n - ddof > 0;
+  if (slices == 0) return res;
+  if (n == 0) {
+    for (int64_t s = 0; s < slices; ++s) mean_out[s] = static_cast<T>(nan);
+    for (int64_t s = 0; s < outer * inner; ++s) var_out[s] = static_cast<T>(nan);
+    return res;
+  }
+  const bool pairs = !f.wide();
+  const double tiny = std::ldexp(1.0, f.emin);
+  // K per column: the slice's first element, flushed.
+  std::vector<double> K(static_cast<size_t>(slices));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < width; ++i) K[o * width + i] = flushed(x[o * n * width + i], tiny);
+  // Work split: by slices when there are enough, else by rows; partial sums per task.
+  int64_t total = slices * n;
+  int T_ = std::max(1, threads);
+  if (total < (int64_t(1) << 16)) T_ = 1;
+  SumArrays acc(static_cast<size_t>(slices));
+  auto run_slices = [&](int64_t s0, int64_t s1, int64_t k0, int64_t k1, SumArrays& out) {
+    // slices [s0, s1) in (o, i) order, sums at out[s]; columns in blocks whose sums stay
+    // in the L1 cache while the rows stream past
+    int64_t s = s0;
+    while (s < s1) {
+      int64_t o = s / width, i0 = s % width;
+      int64_t i1 = std::min(width, i0 + std::min<int64_t>(s1 - s, kBlock));
+      accumulate(x, n, width, o, k0, k1, i0, i1, &K[s], pairs, tiny, &out.h1[s], &out.l1[s],
+                 &out.h2[s], &out.l2[s]);
+      s += i1 - i0;
+    }
+  };
+  if (T_ == 1) {
+    run_slices(0, slices, 0, n, acc);
+  } else if (slices >= T_ * 4 || n < 2 * T_) {
+    std::vector<std::thread> pool;
+    int64_t step = (slices + T_ - 1) / T_;
+    for (int t = 0; t < T_; ++t) {
+      int64_t s0 = t * step, s1 = std::min(slices, s0 + step);
+      if (s0 >= s1) break;
+      pool.emplace_back([&, s0, s1] { run_slices(s0, s1, 0, n, acc); });
+    }
+    for (auto& th : pool) th.join();
+  } else {
+    std::vector<SumArrays> part(T_, SumArrays(static_cast<size_t>(slices)));
+    std::vector<std::thread> pool;
+    int64_t step = (n + T_ - 1) / T_;
+    for (int t = 0; t < T_; ++t) {
+      int64_t k0 = t * step, k1 = std::min(n, k0 + step);
+      if (k0 >= k1) break;
+      pool.emplace_back([&, t, k0, k1] { run_slices(0, slices, k0, k1, part[t]); });
+    }
+    for (auto& th : pool) th.join();
+    for (int t = 0; t < T_; ++t) acc.add(part[t], pairs);
+  }
+  // Rounding test per slice; the slices it leaves open are listed for the exact path.
+  const double nf = static_cast<double>(n);
+  const Pair rn = reciprocal_pair(n);
+  const Pair rd = reciprocal_pair(std::max<int64_t>(n - ddof, 1));
+  std::vector<int64_t> open;  // o * inner + i
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t i = 0; i < inner; ++i) {
+      bool decided = true;
+      double means[2] = {0.0, 0.0};
+      Approx ap[2];
+      for (int j = 0; j < parts; ++j) {
+        int64_t s = o * width + i * parts + j;
+        Sums sm = acc.at(static_cast<size_t>(s));
+        ap[j] = pairs ? approximate_pairs(K[s], sm, nf, rn) : approximate(K[s], sm.h1, sm.h2, nf, rn);
+        decided = decided && !ap[j].bad && certify(ap[j].mean, ap[j].mean_err, f, means[j]);
+      }
+      Pair num = ap[0].num;
+      double num_err = ap[0].num_err;
+      if (parts == 2) {  // combine_nums
+        num = df_add(ap[0].num, ap[1].num);
+        double size = std::fabs(ap[0].num.h) + std::fabs(ap[1].num.h);
+        num_err = ((ap[0].num_err + ap[1].num_err) * kMargin + 8.0 * kU * kU * size +
+                   kU * std::fabs(num.h)) *
+                  kMargin;
+      }
+      double var = nan;
+      if (defined && decided) {  // variance_of, then the test
+        Pair v;
+        double err;
+        if (pairs) {
+          v = df_mul(num, rd);
+          err = (num_err * rd.h * kMargin + 16.0 * kU * kU * std::fabs(v.h)) * kMargin;
+          err = num_err == 0.0 ? 0.0 : err + kTiny;
+        } else {
+          v = {num.h * rd.h, 0.0};
+          err = (num_err * rd.h * kMargin + 3.0 * kU * std::fabs(v.h)) * kMargin;
+        }
+        decided = certify(v, err, f, var);
+      }
+      if (!decided) open.push_back(o * inner + i);
+      for (int j = 0; j < parts; ++j)
+        mean_out[(o * inner + i) * parts + j] = static_cast<T>(means[j]);
+      var_out[o * inner + i] = static_cast<T>(var);
+    }
+  }
+  res.undecided = static_cast<int64_t>(open.size());
+  // The exact path.  A slice that is a column is first gathered, with the other open
+  // columns of its o, while the rows stream past once (read alone, a column would miss the
+  // cache on every element); then each slice is binned from contiguous memory.
+  size_t at = 0;
+  std::vector<T> buf;
+  while (at < open.size()) {
+    const int64_t o = open[at] / inner;
+    size_t end = at;
+    while (end < open.size() && open[end] / inner == o && end - at < 64) ++end;
+    const T* block = x + o * n * width;
+    const size_t m = (end - at) * parts;
+    if (width > 1) {
+      buf.resize(m * static_cast<size_t>(n));
+      for (int64_t k = 0; k < n; ++k) {
+        const T* row = block + k * width;
+        for (size_t q = at; q < end; ++q)
+          for (int j = 0; j < parts; ++j)
+            buf[((q - at) * parts + j) * n + k] = row[(open[q] % inner) * parts + j];
+      }
+    }
+    for (size_t q = at; q < end; ++q) {
+      ExactPart ex[2];
+      for (int j = 0; j < parts; ++j) {
+        const T* slice = width > 1 ? buf.data() + ((q - at) * parts + j) * n : block;
+        ex[j] = exact_part(slice, n, 1, f);
+      }
+      double means[2], var;
+      exact_result(ex, parts, n, ddof, f, means, var);
+      for (int j = 0; j < parts; ++j) mean_out[open[q] * parts + j] = static_cast<T>(means[j]);
+      var_out[open[q]] = static_cast<T>(var);
+    }
+    at = end;
+  }
+  return res;
+}
+
+}  // namespace stable_moments
+
+#endif  // TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_

@@ -1,0 +1,80 @@
+"""The native CPU kernel as a TensorFlow custom op ("StableMoments").
+
+The op is moments_core/native/moments.h behind tf_stable_moments/_native/
+stable_moments_op.cc, built by ``pip install .`` (setup.py), or at first use
+into a per-user cache when the install could not build it.  If it cannot be
+built or loaded, `op()` returns None after one warning and the XLA path serves
+every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
+"""
+
+import os
+import threading
+import warnings
+
+import tensorflow as tf
+
+from moments_core.native import build
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
+_lock = threading.Lock()
+_state = {"tried": False, "op": None}
+
+
+def enabled():
+    return os.environ.get("TF_STABLE_MOMENTS_NATIVE", "1") != "0"
+
+
+def _load():
+    path = _LIBRARY
+    if not os.path.exists(path):
+        tag = f"tf-{tf.__version__}"
+        path = os.path.join(build.cache_dir(tag), "_stable_moments_op.so")
+        if not os.path.exists(path):
+            err = build.compile_library(
+                build.TF_SOURCE, path, build.framework_flags("tensorflow", in_process=True)
+            )
+            if err:
+                return None, err
+    try:
+        return tf.load_op_library(path), None
+    except (tf.errors.OpError, OSError) as e:  # built for another TensorFlow, say
+        return None, f"{path} does not load: {e}"
+
+
+def op():
+    """The StableMoments op function, or None (disabled, or not available: warned once)."""
+    if not enabled():
+        return None
+    with _lock:
+        if not _state["tried"]:
+            _state["tried"] = True
+            lib, err = _load()
+            if lib is None:
+                warnings.warn(
+                    f"tf_stable_moments: the native kernel is not available ({err}); "
+                    "using the XLA implementation (same results, slower first calls)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            else:
+                _state["op"] = lib.stable_moments
+        return _state["op"]
+
+
+@tf.RegisterGradient("StableMoments")
+def _stable_moments_grad(op, g_mean, g_var, _):
+    """d mean/dx = 1/n, d var/dx = 2 (x - mean)/(n - ddof); none for complex data.
+
+    (The public functions differentiate analytically themselves, with the exact
+    two-part mean; this gradient serves direct uses of the op.)
+    """
+    if op.get_attr("parts") != 1:
+        return [None]
+    x = op.inputs[0]
+    mean, var = op.outputs[0], op.outputs[1]
+    n = tf.cast(tf.shape(x)[1], x.dtype)
+    ddof = tf.cast(op.get_attr("ddof"), x.dtype)
+    r = x - mean[:, None, :]
+    r = tf.where(tf.math.is_finite(var)[:, None, :], r, tf.zeros_like(r))
+    return [g_mean[:, None, :] / n + g_var[:, None, :] * (2 * r) / (n - ddof)]
