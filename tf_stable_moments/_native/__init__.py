@@ -7,7 +7,9 @@ built or loaded, `op()` returns None after one warning and the XLA path serves
 every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
 """
 
+import hashlib
 import os
+import platform
 import threading
 import warnings
 
@@ -25,10 +27,20 @@ def enabled():
     return os.environ.get("TF_STABLE_MOMENTS_NATIVE", "1") != "0"
 
 
+def _cache_tag():
+    """One cache directory per TensorFlow version, machine and source text (a changed
+    kernel is never served by a library built from an older one)."""
+    digest = hashlib.sha256()
+    for path in (os.path.join(build.ROOT, build.TF_SOURCE), os.path.join(build.HERE, "moments.h")):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"tf-{tf.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
+
+
 def _load():
     path = _LIBRARY
     if not os.path.exists(path):
-        tag = f"tf-{tf.__version__}"
+        tag = _cache_tag()
         path = os.path.join(build.cache_dir(tag), "_stable_moments_op.so")
         if not os.path.exists(path):
             err = build.compile_library(
