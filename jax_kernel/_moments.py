@@ -31,6 +31,7 @@ from jax_kernel import _native, _ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
+from moments_core.native import layout as native_layout
 
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
@@ -89,22 +90,6 @@ def _use_native(exact_only=False):
     return _native.available()
 
 
-def _native_layout(x, axes):
-    """x as [outer, n, inner] with the slices along axis 1: a reshape when the reduced
-    axes are adjacent, else the kept axes first, the reduced ones last ([kept, n, 1])."""
-    shape = x.shape
-    n = int(np.prod([shape[a] for a in axes], dtype=np.int64))
-    if not axes:
-        return x.reshape(int(np.prod(shape, dtype=np.int64)), 1, 1)
-    if axes == tuple(range(axes[0], axes[-1] + 1)):
-        outer = int(np.prod(shape[: axes[0]], dtype=np.int64))
-        inner = int(np.prod(shape[axes[-1] + 1 :], dtype=np.int64))
-        return x.reshape(outer, n, inner)
-    kept = [a for a in range(x.ndim) if a not in axes]
-    rest = int(np.prod([shape[a] for a in kept], dtype=np.int64))
-    return jnp.transpose(x, kept + list(axes)).reshape(rest, n, 1)
-
-
 def _native_moments(x, axes, ddof):
     """(means, var, undecided) from the native kernel: means one array per real part
     (float16/bfloat16 data computed in float32 with their own format, cast back
@@ -112,7 +97,8 @@ def _native_moments(x, axes, ddof):
     work = _compute_dtype(x.dtype)
     fmt = FORMATS[work.name]
     carrier = np.dtype(np.float32) if work in _HALF_DTYPES else work
-    laid = _native_layout(x, axes)
+    perm, shape = native_layout(list(x.shape), axes)
+    laid = (x if perm is None else jnp.transpose(x, perm)).reshape(shape)
     if jnp.iscomplexobj(laid):
         data = jnp.stack([jnp.real(laid), jnp.imag(laid)], axis=-1).astype(carrier)
     else:

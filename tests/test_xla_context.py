@@ -43,43 +43,30 @@ def _jit(record, x):
     return f(x)
 
 
-def _plain_inside_jit(record, x):
-    @tf.function
-    def inner(x):
-        record()
-        return x * 2
+def _nested(inner_jit, outer_jit):
+    """A tf.function of a tf.function: inner_jit None (plain), True or False (an explicit
+    jit_compile=False, compiled with a jit outer function all the same)."""
 
-    @tf.function(jit_compile=True)
-    def outer(x):
-        return inner(x) + 1
+    def case(record, x):
+        kwargs = {} if inner_jit is None else {"jit_compile": inner_jit}
 
-    return outer(x)
+        @tf.function(**kwargs)
+        def inner(x):
+            record()
+            return x * 2
 
+        @tf.function(jit_compile=outer_jit)
+        def outer(x):
+            return inner(x) + 1
 
-def _jit_inside_plain(record, x):
-    @tf.function(jit_compile=True)
-    def inner(x):
-        record()
-        return x * 2
+        return outer(x)
 
-    @tf.function
-    def outer(x):
-        return inner(x) + 1
-
-    return outer(x)
+    return case
 
 
-def _jit_false_inside_jit(record, x):
-    @tf.function(jit_compile=False)  # compiled with the outer function all the same
-    def inner(x):
-        record()
-        return x * 2
-
-    @tf.function(jit_compile=True)
-    def outer(x):
-        return inner(x) + 1
-
-    return outer(x)
+_plain_inside_jit = _nested(None, True)
+_jit_inside_plain = _nested(True, None)
+_jit_false_inside_jit = _nested(False, True)
 
 
 def _cond_inside_jit(record, x):

@@ -19,6 +19,7 @@ from tensorflow.python.eager import context as _context
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
+from moments_core.native import layout as native_layout
 from tf_stable_moments import _native, _ops
 from tf_stable_moments._xla_context import in_xla_context
 
@@ -363,24 +364,15 @@ def _native_op():
 def _native_stats(op, x, axes, ddof, lo):
     """(mean, mean_lo, var, undecided) from the native op.
 
-    The op reads x as [outer, n, inner(, 2)]: reduced axes that are contiguous
-    need only a reshape; others are moved last first.  float16/bfloat16 data are
+    The op reads x as [outer, n, inner(, 2)] (moments_core.native.layout, as
+    the JAX binding does).  float16/bfloat16 data are
     read as float32 (exact) and rounded to their own format by the op.
     """
     work = _compute_dtype(x.dtype)
     fmt = FORMATS[work.name]
     data = tf.float64 if work == tf.float64 else tf.float32
-    dims = _dims(x)
-    ndim = x.shape.rank
-    kept = [a for a in range(ndim) if a not in axes]
-    if not axes or axes == tuple(range(axes[0], axes[0] + len(axes))):  # contiguous
-        before = dims[: axes[0]] if axes else dims
-        after = dims[axes[-1] + 1 :] if axes else []
-        y = x
-    else:
-        y = tf.transpose(x, kept + list(axes))
-        before, after = [dims[a] for a in kept], []
-    shape = [_product(before), _product([dims[a] for a in axes]), _product(after)]
+    perm, shape = native_layout(_dims(x), axes)
+    y = x if perm is None else tf.transpose(x, perm)
     parts = 2 if x.dtype.is_complex else 1
     if parts == 2:
         y = tf.stack([tf.math.real(y), tf.math.imag(y)], -1)
@@ -400,9 +392,8 @@ def _native_stats(op, x, axes, ddof, lo):
     mean_lo = None
     if lo:  # a deterministic fixed-point sum (docs section 9): plain operations suffice
         laid = [_layout(p, axes) for p in _parts(x)]
-        means = [tf.reshape(mean, [-1])] if parts == 1 else None
-        if parts == 2:
-            means = [tf.reshape(tf.math.real(mean), [-1]), tf.reshape(tf.math.imag(mean), [-1])]
+        means = [mean] if parts == 1 else [tf.math.real(mean), tf.math.imag(mean)]
+        means = [tf.reshape(m, [-1]) for m in means]
         v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
         lows = [
             tf.cast(

@@ -10,14 +10,14 @@ disables the native kernel (no warning).
 """
 
 import ctypes
-import hashlib
 import os
-import platform
 import threading
 import warnings
 
 import jax
 import numpy as np
+
+from moments_core.native import enabled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = os.path.join(HERE, "_stable_moments_ffi.so")
@@ -28,43 +28,15 @@ _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
 
 
-def enabled():
-    """False when TF_STABLE_MOMENTS_NATIVE=0 (the native kernel is switched off)."""
-    return os.environ.get("TF_STABLE_MOMENTS_NATIVE", "1") != "0"
-
-
-def _cache_tag():
-    """One cache directory per jaxlib version, machine and source text."""
+def _build_in_cache():
+    """The library built into the cache directory (once); (path, None) or (None, reason)."""
     import jaxlib
 
     from moments_core.native import build
 
-    digest = hashlib.sha256()
-    root = build.source_root()
-    for path in (os.path.join(root, build.JAX_SOURCE), os.path.join(build.HERE, "moments.h")):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return f"jax-{jaxlib.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
-
-
-def _build_in_cache():
-    """The library built into the cache directory (once); (path, None) or (None, reason)."""
-    from moments_core.native import build
-
-    try:
-        directory = build.cache_dir(_cache_tag())
-    except OSError as e:  # the sources are not installed
-        return None, f"the native sources are missing ({e})"
-    target = os.path.join(directory, os.path.basename(LIBRARY))
-    if os.path.exists(target):
-        return target, None
-    err = build.compile_library(
-        build.JAX_SOURCE,
-        target,
-        build.framework_flags("jax", in_process=True),
-        root=build.source_root(),
+    return build.cached_library(
+        "jax", jaxlib.__version__, build.JAX_SOURCE, os.path.basename(LIBRARY)
     )
-    return (None, err) if err else (target, None)
 
 
 def _open(path):

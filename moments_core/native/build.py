@@ -9,8 +9,10 @@ needed.  No TensorFlow or JAX import here: their flags are asked for in a
 subprocess, so this module also runs inside an isolated build environment.
 """
 
+import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -141,9 +143,23 @@ def cache_dir(tag):
     return os.path.join(base, tag)
 
 
-def source_root():
-    """The directory holding the sources (the installed package tree)."""
-    return ROOT
+def cached_library(framework, version, source, name):
+    """(path, None) of `name` built from `source` in the cache, building it if missing, or
+    (None, reason).  One directory per framework version, machine and source text, so a
+    changed kernel is never served by a library built from an older one."""
+    digest = hashlib.sha256()
+    try:
+        for path in (os.path.join(ROOT, source), os.path.join(HERE, "moments.h")):
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    except OSError as e:
+        return None, f"the native sources are missing ({e})"
+    tag = f"{framework}-{version}-{platform.machine()}-{digest.hexdigest()[:12]}"
+    target = os.path.join(cache_dir(tag), name)
+    if os.path.exists(target):
+        return target, None
+    err = compile_library(source, target, framework_flags(framework, in_process=True))
+    return (None, err) if err else (target, None)
 
 
 if __name__ == "__main__":  # python -m moments_core.native.build: build into the source tree

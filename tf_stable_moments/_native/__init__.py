@@ -7,15 +7,13 @@ built or loaded, `op()` returns None after one warning and the XLA path serves
 every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
 """
 
-import hashlib
 import os
-import platform
 import threading
 import warnings
 
 import tensorflow as tf
 
-from moments_core.native import build
+from moments_core.native import build, enabled
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
@@ -23,31 +21,14 @@ _lock = threading.Lock()
 _state = {"tried": False, "op": None}
 
 
-def enabled():
-    return os.environ.get("TF_STABLE_MOMENTS_NATIVE", "1") != "0"
-
-
-def _cache_tag():
-    """One cache directory per TensorFlow version, machine and source text (a changed
-    kernel is never served by a library built from an older one)."""
-    digest = hashlib.sha256()
-    for path in (os.path.join(build.ROOT, build.TF_SOURCE), os.path.join(build.HERE, "moments.h")):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    return f"tf-{tf.__version__}-{platform.machine()}-{digest.hexdigest()[:12]}"
-
-
 def _load():
-    path = _LIBRARY
+    path, err = _LIBRARY, None
     if not os.path.exists(path):
-        tag = _cache_tag()
-        path = os.path.join(build.cache_dir(tag), "_stable_moments_op.so")
-        if not os.path.exists(path):
-            err = build.compile_library(
-                build.TF_SOURCE, path, build.framework_flags("tensorflow", in_process=True)
-            )
-            if err:
-                return None, err
+        path, err = build.cached_library(
+            "tensorflow", tf.__version__, build.TF_SOURCE, os.path.basename(_LIBRARY)
+        )
+        if err:
+            return None, err
     try:
         return tf.load_op_library(path), None
     except (tf.errors.OpError, OSError) as e:  # built for another TensorFlow, say
