@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import datasets
 import jax
@@ -230,3 +231,39 @@ def test_an_error_of_the_call_itself_is_raised_not_taken_for_missing_xla(monkeyp
     with pytest.raises(tf.errors.UnimplementedError, match="XLA is not available here"):
         tf_stable_moments.moments(np.ones((8, 2), np.float32), [0])
     assert tf_moments._xla_state["ok"] is None
+
+
+# ------------------------------------------------------------------ the native kernel
+def test_the_native_kernels_are_built_and_serve_cpu_calls():
+    """The install (or the first use) builds both libraries: a failed build must not hide
+    behind the fallback here, where a compiler and both frameworks' headers exist."""
+    from jax_kernel import _moments as jax_moments
+    from jax_kernel import _native as jax_native
+    from tf_stable_moments import _native as tf_native
+
+    assert tf_native.op() is not None
+    assert tf_moments._native_op() is not None
+    assert jax_native.available() and jax_moments._use_native()
+
+
+def test_a_missing_native_kernel_warns_once_and_falls_back_with_the_same_bits(
+    monkeypatch, tmp_path
+):
+    from moments_core.native import build
+    from tf_stable_moments import _native as tf_native
+
+    x = np.random.default_rng(41).normal(1e6, 1, (64, 3)).astype(np.float32)
+    expected = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    monkeypatch.setattr(tf_native, "_state", {"tried": False, "op": None})
+    monkeypatch.setattr(tf_native, "_LIBRARY", str(tmp_path / "missing.so"))
+    monkeypatch.setenv("TF_STABLE_MOMENTS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match=r"native kernel is not available \(no C\+\+ compiler"):
+        got = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        again = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
+    assert tf_native.op() is None
+    for g, a, e in zip(got, again, expected, strict=True):
+        np.testing.assert_array_equal(g, e)
+        np.testing.assert_array_equal(a, e)

@@ -33,13 +33,6 @@ CLAIMS = rounding_fixtures.claims()
 # in the modes that compile an XLA computation per concrete shape (a few seconds
 # each on 2 cores: the CI budget does not allow all of them there).
 KIND_FIXTURES = sorted({str(CLAIMS[k][0][:2]): k for k in FIXTURES}.values())
-# Under XLA: a tie and a near-tie of the variance and of the mean, a complex single
-# rounding, a float16 flushed element (the format and flush logic of the XLA kernel).
-XLA_FIXTURES = [
-    k
-    for k in KIND_FIXTURES
-    if k.startswith(("var_tie", "var_near", "mean_tie", "cvar", "mean_near"))
-][:6]
 
 
 @contextlib.contextmanager
@@ -90,7 +83,7 @@ def test_rounding_fixture_is_correctly_rounded(name, mode):
 
 
 @pytest.mark.parametrize("mode", XLA_MODES)
-@pytest.mark.parametrize("name", XLA_FIXTURES)
+@pytest.mark.parametrize("name", KIND_FIXTURES)
 def test_rounding_fixture_kinds_are_correctly_rounded_under_xla(name, mode):
     assert_oracle(run_fixture(name, mode), fixture_oracle(name))
 

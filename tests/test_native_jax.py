@@ -20,11 +20,6 @@ from datasets import oracle
 import jax_kernel
 from jax_kernel import _moments, _native
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu" or not _native.available(),
-    reason="the native kernel runs on the CPU backend, with the library built",
-)
-
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FULL = os.environ.get("TF_STABLE_MOMENTS_NATIVE_FULL") == "1"
 
