@@ -220,11 +220,18 @@ def approximate_pairs(ops, x, first, axis, c, fmt):
     return Approx(mean, mean_err, num, num_err), bad
 
 
-def combine_nums(ops, a, b):
-    """The numerators of the two parts of a complex slice, added: one rounding at the end."""
+def combine_nums(ops, a, b, pairs):
+    """The numerators of the two parts of a complex slice, added: one rounding at the end.
+
+    The pair sum errs by at most 8 u**2 (|a| + |b|).  For formats of precision <= 24,
+    `variance_of` keeps only the high part, which drops up to u |num| more; float64
+    keeps the pair (a u |num| term there would leave every slice undecided).
+    """
     num = df_add(*a.num, *b.num)
     size = ops.abs(a.num[0]) + ops.abs(b.num[0])
-    err = (a.num_err + b.num_err) * MARGIN + 8.0 * U * U * size + U * ops.abs(num[0])
+    err = (a.num_err + b.num_err) * MARGIN + 8.0 * U * U * size
+    if not pairs:
+        err = err + U * ops.abs(num[0])
     return num, err * MARGIN
 
 
@@ -362,7 +369,7 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
     if len(approx) == 1:
         num, num_err = approx[0][0].num, approx[0][0].num_err
     else:
-        num, num_err = combine_nums(ops, approx[0][0], approx[1][0])
+        num, num_err = combine_nums(ops, approx[0][0], approx[1][0], pairs)
     v, v_err = variance_of(ops, num, num_err, c, pairs)
     var, ok = certify(ops, v, v_err, fmt)
     defined = c.n - ddof > 0  # a Python bool for a static count

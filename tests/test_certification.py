@@ -198,3 +198,16 @@ def test_permutations_give_the_same_bits(seed, n, random):
     for u, v in zip(a, b):
         np.testing.assert_array_equal(bits(u), bits(v))
     assert_oracle(b, datasets.oracle(rows, (1,)))
+
+
+@pytest.mark.parametrize("mode", ["tf_eager", "tf_eager_plain"])
+def test_complex128_slices_are_decided_by_the_fast_path(mode, monkeypatch):
+    """float64 keeps the numerator pair, so the fast path decides ordinary complex128
+    slices (a u |num| term, needed only where the low part is dropped, left none)."""
+    rng = np.random.default_rng(12)
+    x = (rng.normal(3, 1, (40, 6)) + 1j * rng.normal(-2, 1, (40, 6))).astype(np.complex128)
+    if mode.endswith("plain"):
+        monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
+        monkeypatch.setenv("TF_STABLE_MOMENTS_XLA", "0")
+    assert tf_moments.undecided_fraction(x, [0]) == 0.0
+    assert_oracle(run(mode, x, (0,)), datasets.oracle(x, (0,)))

@@ -368,6 +368,16 @@ inline Approx approximate_pairs(double k, const Sums& sm, double n, Pair rn) {
   return a;
 }
 
+// moments_core/_kernel.py `combine_nums`: the two parts' numerators of a complex slice.
+inline void combine_nums(const Approx& a, const Approx& b, bool pairs, Pair& num,
+                         double& err) {
+  num = df_add(a.num, b.num);
+  double size = std::fabs(a.num.h) + std::fabs(b.num.h);
+  err = (a.num_err + b.num_err) * kMargin + 8.0 * kU * kU * size;
+  if (!pairs) err = err + kU * std::fabs(num.h);  // variance_of keeps the high part only
+  err = err * kMargin;
+}
+
 // ------------------------------------------------------------------ exact path (section 7)
 // Non-negative big integers, little-endian 64-bit limbs.  Every step is exact.
 using Big = std::vector<uint64_t>;
@@ -711,13 +721,7 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
       }
       Pair num = ap[0].num;
       double num_err = ap[0].num_err;
-      if (parts == 2) {  // combine_nums
-        num = df_add(ap[0].num, ap[1].num);
-        double size = std::fabs(ap[0].num.h) + std::fabs(ap[1].num.h);
-        num_err = ((ap[0].num_err + ap[1].num_err) * kMargin + 8.0 * kU * kU * size +
-                   kU * std::fabs(num.h)) *
-                  kMargin;
-      }
+      if (parts == 2) combine_nums(ap[0], ap[1], pairs, num, num_err);
       double var = nan;
       if (defined && decided) {  // variance_of, then the test
         Pair v;
