@@ -481,27 +481,27 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     """Mean and variance of `x` over `axes`, correctly rounded: a drop-in for tf.nn.moments.
 
     The variance is sum((x - mean)**2) / (n - ddof) over the n reduced
-    elements, computed as described in docs/algorithm.md and rounded once; the
-    mean is rounded once.  In float32 and float64 the result is the exact
-    variance of the input floats, correctly rounded (errors before the final
-    rounding are below 2**-40 relative), in eager mode, in tf.function and
-    under XLA, with the same bits in every mode and as ``jax_kernel.moments``.
+    elements and the mean sum(x) / n, each the exact value for the input floats
+    rounded once to the target format (nearest, ties to even), certified per
+    slice (docs/algorithm.md), in eager mode, in tf.function and under XLA, with
+    the same bits in every mode and as ``jax_kernel.moments``.
 
-    Numerical choices:
-      * shift by the slice's first element K, scale by a power of two so that
-        max|x| * 2**e is in [2, 4) (no overflow, no flushed subnormals);
-      * centre c = K + sum(x - K) / n (rounded: any c is exact, a near one is
-        well conditioned);
-      * residuals d = x - c as exact pairs (TwoSum), squares from exact
-        products of 12-bit halves (immune to FMA contraction);
-      * sum(d) and sum(d**2) by one fixed binary tree with TwoSum at each node;
-      * var = (S2 - S1**2 / n) / (n - ddof) in double-float, rounded once.
+    Numerical choices (docs/algorithm.md, sections 4-7):
+      * shift by the slice's first element K; S1 = sum(x - K) and
+        S2 = sum((x - K)**2) in float64 (float64 pairs for float64 input), in
+        any order, with an error bound that holds for every order:
+        |error of a sum of n terms| <= gamma_(n-1) * sum|t_i|;
+      * mean ~ K + S1/n, var ~ (S2 - S1**2/n) / (n - ddof), each with a bound;
+      * rounding test (Ziv): if [v - err, v + err] holds no rounding midpoint,
+        the nearest float to v is the correctly rounded result;
+      * otherwise (ties, near-ties, NaN/Inf) the exact path: integer sums of the
+        inputs' significands, N = n*S2 - S1**2 in integers, one rounding.
 
     Args:
       x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
-        complex128.  float16/bfloat16 are computed in float32 and cast back, as
-        tf.nn.moments does.  Complex inputs give the complex mean and the real
-        variance E|z - mean z|**2 (no gradient).
+        complex128.  float16/bfloat16 results are correctly rounded to their own
+        format.  Complex inputs give the complex mean (each part rounded once)
+        and the real variance E|z - mean z|**2, rounded once (no gradient).
       axes: int or sequence of ints: the axes to reduce.
       shift: accepted for compatibility with tf.nn.moments and ignored, as in
         tf.nn.moments: the kernel chooses its own shift (the first element of
@@ -520,8 +520,9 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     with x - mean from the kernel's exact two-part mean; second order works.
 
     References:
-      Chan, Golub, LeVeque (1983), shifted data; Ogita, Rump, Oishi (2005),
-      TwoSum; Dekker (1971), double-float products; docs/algorithm.md.
+      Chan, Golub, LeVeque (1983), shifted data; Higham (2002), sum bounds;
+      Ziv (1991), the rounding test; Ogita, Rump, Oishi (2005), TwoSum;
+      Neal (2015), exact summation; docs/algorithm.md.
 
     >>> import tensorflow as tf
     >>> mean, var = moments(tf.constant([1e10, 1e10, 1e10]), axes=[0])
