@@ -252,6 +252,7 @@ def test_a_missing_native_kernel_warns_once_and_falls_back_with_the_same_bits(
     from moments_core.native import build
     from tf_stable_moments import _native as tf_native
 
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "1")  # a missing kernel, not a switched-off one
     x = np.random.default_rng(41).normal(1e6, 1, (64, 3)).astype(np.float32)
     expected = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [0])]
     monkeypatch.setattr(tf_native, "_state", {"tried": False, "op": None})
