@@ -93,10 +93,12 @@ def from_sums(ops, parts, n, ddof, fmt):
     return means, to_float(ops, normalise(ops, num), [n, d], 2 * fmt.base, fmt)
 
 
-def accumulate(ops, parts, valid, fmt, l1, l2):
+def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
     """Digits of S1 (one array per part) and of S2 (all parts together), [rows, digits].
 
-    parts: float64 arrays [rows, n] (finite, flushed); valid: bool [rows, n] or None.
+    parts: float64 arrays [rows, n] (finite, flushed); valid: bool [rows, n] or None;
+    weights: None or int64 [rows, n] integer frequencies (each digit is multiplied
+    by its weight: S1 = sum w X, S2 = sum w X**2; exact for sum w < 2**40).
     Each |X| = M * 2**P is first written as five digits e_0..e_4 (not normalised,
     each below 2**17) at digit D = P // 16; X**2 is their convolution, nine sums
     below 2**37, each split in two below 2**21: ten digits at 2 D.
@@ -111,11 +113,14 @@ def accumulate(ops, parts, valid, fmt, l1, l2):
         # Piece k = (M >> 16 k) mod 2**16 sits at bit P + 16 k: split (piece << P mod 16).
         e, first = _five_digits(ops, mant, p)
         sign = ops.where(negative, -1, 1)
+        if weights is not None:
+            sign = sign * weights
         s1s.append(_segment_digits(ops, [ej * sign for ej in e], row * l1 + first, l1, rows))
         conv = [sum(e[a] * e[j - a] for a in range(max(0, j - 4), min(4, j) + 1)) for j in range(9)]
         low = [ops.band(cj, MASK) for cj in conv] + [0]
         high = [0] + [ops.shr(cj, 16) for cj in conv]
-        s2_data += [low[j] + high[j] for j in range(10)]
+        s2 = [low[j] + high[j] for j in range(10)]
+        s2_data += s2 if weights is None else [d * weights for d in s2]
         s2_ids.append(row * l2 + 2 * first)
     return s1s, _segment_digits(ops, s2_data, s2_ids, l2, rows)
 
@@ -257,16 +262,18 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     return bits
 
 
-def exact_moments(ops, parts, valid, n, ddof, fmt):
+def exact_moments(ops, parts, valid, n, ddof, fmt, weights=None):
     """Correctly rounded bit patterns of the mean of each part and of the variance.
 
     parts: float64 [rows, size] (finite, flushed to the format's normal range),
     valid: bool [rows, size] or None (padded slices), n: the count (int64 [rows]),
     ddof: an int.  The variance of complex data is (N_re + N_im) / (n (n - ddof)).
     Rows with n - ddof <= 0 get a meaningless variance (the caller replaces it).
+    weights: None or int64 [rows, size] integer frequencies, n their sums: the
+    weighted mean S1 / n and variance (n S2 - S1**2) / (n (n - ddof)).
     """
     l1, l2 = lengths(fmt)
-    s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2)
+    s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2, weights)
     s2 = normalise(ops, resize(ops, s2, l2))
     num = s2 * ops.expand_dims(n, 1)
     means = []

@@ -150,20 +150,35 @@ class Approx(NamedTuple):
     exact: object = None  # where those sums are exact
 
 
-def approximate(ops, x, first, axis, c, fmt):
+def approximate(ops, x, first, axis, c, fmt, w=None):
     """The fast approximation of one real part: x float64 [.., ..], first = x's first
     element per slice (keepdims), c the Counts, fmt the target format.  Returns
     (Approx, bad): bad marks slices whose sums are not finite (a NaN or Inf in the
-    slice, or an overflow)."""
+    slice, or an overflow).
+
+    w: None, or integer frequency weights (float64, like x; c.n their sums per
+    slice, elements of weight 0 replaced by `first`): then A = sum w (x - K) and
+    B = sum w (x - K)**2 from t = fl(w y), fl(t y), m = the slice length terms:
+    |s2 - B| <= gamma_(m+4) B, |s1 - A| <= gamma_(m+1) sum w |x - K| and
+    sum w |x - K| <= sqrt(W B) (Cauchy-Schwarz), W = sum w.
+    """
     y = x - first
     magnitude = ops.where(ops.eq(x, 0.0), float("inf"), ops.abs(x))
-    s1, s2, smallest = ops.sums_min(y, y * y, magnitude, axis)
+    n = c.nf
+    if w is None:
+        s1, s2, smallest = ops.sums_min(y, y * y, magnitude, axis)
+        g2, g1 = gamma(n + 2.0), gamma(n + 1.0)
+    else:
+        t = w * y
+        s1, s2, smallest = ops.sums_min(t, t * y, magnitude, axis)
+        m = float(ops.shape(x, axis)) if isinstance(ops.shape(x, axis), int) else None
+        m = ops.cast(ops.shape(x, axis), "float64") if m is None else m
+        g2, g1 = gamma(m + 4.0), gamma(m + 1.0)
     k = ops.squeeze(first, axis)
     bad = ~ops.isfinite(s2) | ~ops.isfinite(s1)
-    n = c.nf
     # S2 = sum y**2 of the exact differences y = x - K: each y and y**2 rounds once,
     # the sum of n terms in any order has error gamma_(n-1) sum|t| (all t >= 0).
-    b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * MARGIN
+    b_up = s2 * (1.0 + 2.0 * g2) * MARGIN
     # Exact sums: every x is a multiple of q, the unit in the last place of the
     # smallest nonzero |x| in its format; if sum y**2 <= 2**52 q**2 and
     # sum |y| <= sqrt(n sum y**2) <= 2**52 q, every y, y**2 and every partial
@@ -172,9 +187,9 @@ def approximate(ops, x, first, axis, c, fmt):
     unit = pow2(ops, ops.minimum(exponent(ops, smallest), 1000) - (fmt.precision - 1))
     exact = ops.isfinite(smallest) & (b_up <= 2.0**52 * unit * unit)
     exact = exact & (n * b_up <= 2.0**104 * unit * unit) & ~bad
-    d2 = gamma(n + 2.0) * b_up
+    d2 = g2 * b_up
     a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
-    d1 = gamma(n + 1.0) * a_abs * MARGIN
+    d1 = g1 * a_abs * MARGIN
     t = s1 * c.rn[0]
     mean = k + t
     mean_err = ((d1 + 3.0 * U * ops.abs(s1)) * c.rn[0] * MARGIN + U * ops.abs(t)) * MARGIN
@@ -327,7 +342,7 @@ def first_element(ops, x, axis, dynamic=False):
     return ops.sum(k, axis, keepdims=True) if dynamic else k
 
 
-def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
+def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None):
     """Correctly rounded means (one per part) and variance of the slices of 2-D arrays.
 
     parts: one real array, or the real and imaginary parts of a complex one, in
@@ -335,19 +350,36 @@ def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
     n: None, or the count when the slices are padded beyond it (with copies of
       their first element: their differences from it are exact zeros).
     exact_only: send every slice through the exact path (a test switch).
+    mask: None, or per element, laid out like the parts: bool (the selected
+      elements; n then holds the count per slice, int64 [kept]) or int64
+      integer frequency weights (n then holds their sum per slice, below
+      2**40).  The caller replaces every unselected (weight 0) element by the
+      slice's first selected one (0 where none is), so that the first element
+      K is selected and the others contribute exact zeros to the fast sums.
     Returns (means, var, undecided): float64 arrays of the kept length holding
     values of `fmt` exactly, and the number of slices the fast path left open.
     """
-    means, var, todo, sums = fast_moments(ops, parts, axis, ddof, fmt, n, exact_only)
+    means, var, todo, sums = fast_moments(ops, parts, axis, ddof, fmt, n, exact_only, mask)
     undecided = ops.sum(ops.cast(todo, "int64"), 0)
-    means, var = exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums)
+    means, var = exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums, mask)
     return means, var, undecided
 
 
-def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
+def _weights(mask):
+    """The mask's integer weights, or None for no mask or a boolean selection."""
+    if mask is None or mask.dtype.name == "bool":
+        return None
+    return mask
+
+
+def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None):
     """The fast path and its rounding test: (means, var, todo, sums), todo marking the
     slices it did not decide (their values are meaningless until `exact_fix`), sums
-    what `exact_fix` can round exactly without the elements (float64 sums only)."""
+    what `exact_fix` can round exactly without the elements (float64 sums only).
+    mask: see `slice_moments`; float64 parts with weights take the exact path."""
+    weights = _weights(mask)
+    if weights is not None and not fmt.wide:
+        exact_only = True  # no pair version of the weighted bounds: all slices exact
     size = ops.shape(parts[0], axis)
     c = counts(ops, size if n is None else n, ddof)
     if isinstance(size, int) and size == 0:  # no data: NaN (section 8)
@@ -357,7 +389,11 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
     firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
     pairs = not fmt.wide
     fast = approximate_pairs if pairs else approximate
-    approx = [fast(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
+    if weights is not None and fmt.wide:
+        w = ops.cast(weights, "float64")
+        approx = [approximate(ops, x, k, axis, c, fmt, w) for x, k in zip(xs, firsts)]
+    else:
+        approx = [fast(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
     bad = approx[0][1]
     for _, b in approx[1:]:
         bad = bad | b
@@ -390,11 +426,12 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False):
     return means, var, todo, [ops.cast(exact, "bool"), *[v for part in sums for v in part]]
 
 
-def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=()):
+def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=(), mask=None):
     """The exact path for the slices marked in `todo` (section 7); the others are kept.
 
     sums: fast_moments' fourth output; slices whose fast sums were exact are
-    rounded from the sums, the others from their elements.
+    rounded from the sums, the others from their elements.  mask: see
+    `slice_moments`.
     """
     size = ops.shape(parts[0], axis)
     c = counts(ops, size if n is None else n, ddof)
@@ -402,9 +439,9 @@ def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=()):
         exact, flat = sums[0], list(sums[1:])
         per_part = [flat[3 * i : 3 * i + 3] for i in range(len(parts))]
         from_sums = todo & exact
-        means, var = _sums_loop(ops, per_part, c, ddof, fmt, from_sums, means, var)
+        means, var = _sums_loop(ops, per_part, c, ddof, fmt, from_sums, means, var, mask)
         todo = todo & ~from_sums
-    means, var = _exact_loop(ops, parts, axis, c, ddof, fmt, n, todo, means, var)
+    means, var = _exact_loop(ops, parts, axis, c, ddof, fmt, n, todo, means, var, mask)
     return _special_counts(ops, means, var, c, ddof)
 
 
@@ -446,33 +483,47 @@ def _batched(ops, todo, batch, compute, values):
     return list(state[1:])
 
 
-def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var):
+def _rows(ops, x, idx, axis):
+    """The slices idx of a 2-D array in the layout, as rows [len(idx), size]."""
+    r = ops.take(x, idx, 1 - axis)
+    return r if axis == 1 else ops.transpose(r)
+
+
+def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None):
     """The exact path for the slices in `todo`, BATCH at a time (section 7).
 
     xs: the parts as given (flushed here, on the gathered slices only)."""
     size = ops.shape(xs[0], axis)
     valid = None
-    if n is not None:
+    if n is not None and mask is None:
         valid = ops.expand_dims(ops.iota(size, "int64") < ops.cast(n, "int64"), 0)
     count = ops.cast(c.n, "int64")
+    weights = _weights(mask)
 
     def compute(idx):
-        rows = [flush(ops, ops.take(x, idx, 1 - axis), fmt) for x in xs]
-        rows = [r if axis == 1 else ops.transpose(r) for r in rows]
-        m_new, v_new = _exact_rows(ops, rows, valid, count, ddof, fmt)
+        rows = [flush(ops, _rows(ops, x, idx, axis), fmt) for x in xs]
+        w = ok = None
+        if weights is not None:
+            w = _rows(ops, weights, idx, axis)
+            ok = w > 0
+        elif mask is not None:
+            ok = _rows(ops, mask, idx, axis)
+        k = count if mask is None else ops.take(count, idx, 0)
+        m_new, v_new = _exact_rows(ops, rows, valid if ok is None else ok, k, ddof, fmt, w)
         return [v_new, *m_new]
 
     out = _batched(ops, todo, BATCH, compute, [var, *means])
     return out[1:], out[0]
 
 
-def _sums_loop(ops, sums, c, ddof, fmt, todo, means, var):
+def _sums_loop(ops, sums, c, ddof, fmt, todo, means, var, mask=None):
     """Slices whose fast sums were exact: rounded exactly from the sums alone (section 7)."""
     count = ops.cast(c.n, "int64")
 
     def compute(idx):
         picked = [[ops.take(v, idx, 0) for v in part] for part in sums]
-        n = ops.zeros([SUMS_BATCH], "int64") + count
+        k = count if mask is None else ops.take(count, idx, 0)
+        n = ops.zeros([SUMS_BATCH], "int64") + k
         mean_bits, var_bits = _exact.from_sums(ops, picked, n, ddof, fmt)
         return [ops.from_bits(var_bits, fmt), *[ops.from_bits(b, fmt) for b in mean_bits]]
 
@@ -480,14 +531,17 @@ def _sums_loop(ops, sums, c, ddof, fmt, todo, means, var):
     return out[1:], out[0]
 
 
-def _exact_rows(ops, rows, valid, count, ddof, fmt):
-    """Exact means and variance of BATCH slices [BATCH, size], with special values."""
+def _exact_rows(ops, rows, valid, count, ddof, fmt, weights=None):
+    """Exact means and variance of BATCH slices [BATCH, size], with special values.
+
+    valid: None or bool [1 or BATCH, size] (elements that count); weights: None
+    or int64 [BATCH, size] integer frequencies (then count is their sum)."""
     finite = [ops.isfinite(r) for r in rows]
     if valid is not None:
         finite = [f & valid for f in finite]
     clean = [ops.where(f, r, ops.zeros_like(r)) for f, r in zip(finite, rows)]
     n = ops.zeros([BATCH], "int64") + count
-    mean_bits, var_bits = _exact.exact_moments(ops, clean, None, n, ddof, fmt)
+    mean_bits, var_bits = _exact.exact_moments(ops, clean, None, n, ddof, fmt, weights)
     nan, inf = float("nan"), float("inf")
     means, any_special = [], None
 
@@ -510,13 +564,14 @@ def _exact_rows(ops, rows, valid, count, ddof, fmt):
 
 
 # ---------------------------------------------------------------- mean_lo (section 9)
-def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None):
+def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     """mean - mean_hi, to the format, from a deterministic fixed-point sum (for the layers).
 
     d = x - mean (float64) is scaled by a power of two q chosen from the certified
     mean and variance alone, so that every rint(d / q) is an integer and their sum
     stays below 2**53: the float64 sum is exact in any order.  Hence mean_lo has
     the same bits in every mode and framework, although it is not correctly rounded.
+    mask: None or a boolean selection laid out like x (n its count per slice).
     """
     size = ops.shape(x, axis)
     count = size if n is None else n
@@ -524,7 +579,9 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None):
     x = flush(ops, x, fmt)
     m = ops.expand_dims(mean, axis)
     d = x - m
-    if n is not None:
+    if mask is not None:
+        d = ops.where(mask, d, ops.zeros_like(d))
+    elif n is not None:
         valid = ops.iota(size, "int64") < ops.cast(n, "int64")
         valid = ops.expand_dims(valid, 1 if axis == 0 else 0)
         d = ops.where(valid, d, ops.zeros_like(d))

@@ -30,30 +30,30 @@ def _is_int(value):
     )
 
 
-def _axes_type_error(fn, axes, element=None):
-    message = f"{fn}: axes must be an int or a sequence of ints; got axes={_show(axes)}"
+def _axes_type_error(fn, axes, element=None, arg="axes"):
+    message = f"{fn}: {arg} must be an int or a sequence of ints; got {arg}={_show(axes)}"
     if element is not None:
         message += f" (element {_show(element)} is a {type(element).__name__})"
     return TypeError(message)
 
 
-def _as_ints(axes, fn):
+def _as_ints(axes, fn, arg="axes"):
     """The axes as a tuple of Python ints, in the order given; TypeError if not ints."""
     if _is_int(axes):
         return (int(axes),)
     if isinstance(axes, np.ndarray):
         if axes.ndim != 1 or (axes.size and not np.issubdtype(axes.dtype, np.integer)):
-            raise _axes_type_error(fn, axes)
+            raise _axes_type_error(fn, axes, arg=arg)
         return tuple(int(a) for a in axes)
     if isinstance(axes, (list, tuple, range)):
         for a in axes:
             if not _is_int(a):
-                raise _axes_type_error(fn, axes, a)
+                raise _axes_type_error(fn, axes, a, arg)
         return tuple(int(a) for a in axes)
-    raise _axes_type_error(fn, axes)
+    raise _axes_type_error(fn, axes, arg=arg)
 
 
-def canonical_axes(axes, ndim, fn="moments"):
+def canonical_axes(axes, ndim, fn="moments", arg="axes"):
     """The reduced axes as a sorted tuple of non-negative ints.
 
     Args:
@@ -62,6 +62,8 @@ def canonical_axes(axes, ndim, fn="moments"):
         Negative axes count from the end.
       ndim: the rank of the input, a non-negative int.
       fn: the public function's name, the prefix of error messages.
+      arg: the argument's name in error messages ("axis" for the jnp and
+        tf.math drop-ins).
 
     Raises:
       TypeError: axes is not one of the above (floats, strings, bools, nested
@@ -80,14 +82,14 @@ def canonical_axes(axes, ndim, fn="moments"):
     ndim = int(ndim)
     if axes is None:
         return tuple(range(ndim))
-    given = _as_ints(axes, fn)
+    given = _as_ints(axes, fn, arg)
     out = []
     for a in given:
         if not -ndim <= a < ndim:
             raise ValueError(f"{fn}: axis {a} is out of range for an input of rank {ndim}")
         out.append(a % ndim)
     if len(set(out)) != len(out):
-        raise ValueError(f"{fn}: axes contains a repeated axis; got axes={given}")
+        raise ValueError(f"{fn}: {arg} contains a repeated axis; got {arg}={given}")
     return tuple(sorted(out))
 
 
