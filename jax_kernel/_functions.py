@@ -171,6 +171,7 @@ def _wide(x, fmt):
     return jnp.where(jnp.abs(w) < tiny, 0.0, w)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _std_value(x, mask, axes, keepdims, ddof):
     work = _m._compute_dtype(x.dtype)
     fmt = FORMATS[work.name]
@@ -190,8 +191,7 @@ def _std_real(x, mask, axes, keepdims, ddof):
 def _std_real_jvp(axes, keepdims, ddof, primals, tangents):
     (x, mask), (dx, _) = primals, tangents
     s = _std_real(x, mask, axes, keepdims, ddof)
-    full = jnp.ones(x.shape, bool) if mask is None else mask
-    _, dvar = jax.jvp(lambda t: _moments(t, full, axes, keepdims, ddof)[1], (x,), (dx,))
+    _, dvar = jax.jvp(lambda t: _moments(t, mask, axes, keepdims, ddof)[1], (x,), (dx,))
     return s, (dvar / (2 * s)).astype(s.dtype)
 
 

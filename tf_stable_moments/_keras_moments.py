@@ -24,14 +24,15 @@ import numpy as np
 
 __all__ = ["keras_moments"]
 
-_CLIP = {"float16": float(np.finfo(np.float16).max), "bfloat16": 3.3895313892515355e38}
-
 
 def _clip(var, dtype, ops):
-    top = _CLIP.get(dtype)
-    if top is None:
+    """An overflowing (+inf) float16 or bfloat16 variance as the format's maximum."""
+    if dtype not in ("float16", "bfloat16"):
         return var
-    return ops.where(ops.equal(var, float("inf")), ops.cast(top, dtype), var)
+    import ml_dtypes
+
+    top = np.finfo(np.float16 if dtype == "float16" else ml_dtypes.bfloat16).max
+    return ops.where(ops.equal(var, float("inf")), np.asarray(top), var)
 
 
 def _tf_moments(x, axes, keepdims, synchronized):
