@@ -42,7 +42,8 @@ class StableGroupNormalization(keras.layers.GroupNormalization):
     Migration:
 
         import tf_stable_moments  # also registers the class for keras.models.load_model
-        gn = tf_stable_moments.StableGroupNormalization(groups=8)  # was keras.layers.GroupNormalization
+        # was keras.layers.GroupNormalization(groups=8):
+        gn = tf_stable_moments.StableGroupNormalization(groups=8)
         model.load_weights("old.weights.h5")  # weight files of the keras layer load as they are
 
     Raises:

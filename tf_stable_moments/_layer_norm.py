@@ -86,7 +86,8 @@ class StableLayerNormalization(keras.layers.LayerNormalization):
     Migration:
 
         import tf_stable_moments  # also registers the class for keras.models.load_model
-        ln = tf_stable_moments.StableLayerNormalization(axis=-1)  # was keras.layers.LayerNormalization
+        # was keras.layers.LayerNormalization(axis=-1):
+        ln = tf_stable_moments.StableLayerNormalization(axis=-1)
         model.load_weights("old.weights.h5")  # weight files of the keras layer load as they are
 
     Raises:
