@@ -1,5 +1,6 @@
-"""Correctly rounded mean and variance in JAX: the reference kernel."""
+"""Correctly rounded mean and variance in JAX: the reference kernel and a mergeable state."""
 
 from jax_kernel._moments import moments
+from jax_kernel._state import MomentsState, merge_states, moments_state, state_moments
 
-__all__ = ["moments"]
+__all__ = ["MomentsState", "merge_states", "moments", "moments_state", "state_moments"]

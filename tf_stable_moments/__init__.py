@@ -1,13 +1,18 @@
-"""Correctly rounded mean and variance for TensorFlow: moments and Keras normalization layers."""
+"""Correctly rounded mean and variance for TensorFlow: moments, a mergeable state, Keras layers."""
 
 from tf_stable_moments._group_norm import StableGroupNormalization
 from tf_stable_moments._layer import StableBatchNormalization
 from tf_stable_moments._layer_norm import StableLayerNormalization
 from tf_stable_moments._moments import moments
+from tf_stable_moments._state import MomentsState, merge_states, moments_state, state_moments
 
 __all__ = [
+    "MomentsState",
     "StableBatchNormalization",
     "StableGroupNormalization",
     "StableLayerNormalization",
+    "merge_states",
     "moments",
+    "moments_state",
+    "state_moments",
 ]
