@@ -4,6 +4,7 @@ from tf_stable_moments._group_norm import StableGroupNormalization
 from tf_stable_moments._layer import StableBatchNormalization
 from tf_stable_moments._layer_norm import StableLayerNormalization
 from tf_stable_moments._moments import moments
+from tf_stable_moments._normalization import StableNormalization
 from tf_stable_moments._state import MomentsState, merge_states, moments_state, state_moments
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "StableBatchNormalization",
     "StableGroupNormalization",
     "StableLayerNormalization",
+    "StableNormalization",
     "merge_states",
     "moments",
     "moments_state",
