@@ -7,6 +7,7 @@ classes for the two layers run with our classes in place of keras's.
 """
 
 import importlib
+import importlib.util
 import os
 import pickle
 import subprocess
@@ -21,7 +22,13 @@ import pytest
 import tensorflow as tf
 
 import tf_stable_moments
-from tf_stable_moments import StableGroupNormalization, StableLayerNormalization
+from tf_stable_moments import (
+    StableGroupNormalization,
+    StableLayerNormalization,
+    StableNormalization,
+    _normalization,
+)
+from tf_stable_moments._oracle import exact_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _norm_backend_check as check  # noqa: E402
@@ -30,8 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = ("eager", "tf_function", "jit_compile")
 F32_TOL = 1e-5
 EPSILON = 1e-3
-OURS = {"ln": StableLayerNormalization, "gn": StableGroupNormalization}
-THEIRS = {"ln": keras.layers.LayerNormalization, "gn": keras.layers.GroupNormalization}
+OURS = {"ln": StableLayerNormalization, "gn": StableGroupNormalization, "norm": StableNormalization}
+THEIRS = {
+    "ln": keras.layers.LayerNormalization,
+    "gn": keras.layers.GroupNormalization,
+    "norm": keras.layers.Normalization,
+}
 
 pytestmark = [
     pytest.mark.skipif(
@@ -330,13 +341,32 @@ def _keras_tests(module, cls):
 KERAS_TESTS = {
     "ln": _keras_tests("layer_normalization_test", "LayerNormalizationTest"),
     "gn": _keras_tests("group_normalization_test", "GroupNormalizationTest"),
+    "norm": (
+        importlib.import_module("keras.src.layers.preprocessing.normalization_test"),
+        "NormalizationTest",
+    ),
 }
+
+
+# StableNormalization's documented fourth weight (mean_correction): keras's basics test
+# counts three non-trainable weights; everything before that check in it passes.
+DEVIATIONS = {("norm", "test_normalization_basics"): "4 != 3 : Unexpected number of non_trainable"}
+
+
+def _runs_here(fn):
+    """False for keras tests that keras itself skips here (other backends, grain missing)."""
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name == "skipif" and mark.args and mark.args[0]:
+            return False
+    return not ("grain" in fn.__name__ and importlib.util.find_spec("grain") is None)
 
 
 def _keras_test_cases():
     for name, (module, cls) in KERAS_TESTS.items():
-        for method in unittest.TestLoader().getTestCaseNames(getattr(module, cls)):
-            yield pytest.param(name, method, id=f"{name}-{method}")
+        test_class = getattr(module, cls)
+        for method in unittest.TestLoader().getTestCaseNames(test_class):
+            if _runs_here(getattr(test_class, method)):
+                yield pytest.param(name, method, id=f"{name}-{method}")
 
 
 @pytest.mark.parametrize("name, method", list(_keras_test_cases()))
@@ -348,11 +378,16 @@ def test_keras_own_test_passes_with_our_class(monkeypatch, name, method):
     proxy = types.SimpleNamespace(**vars(module.layers))
     setattr(proxy, original, OURS[name])
     monkeypatch.setattr(module, "layers", proxy)
+    monkeypatch.setattr(keras.layers, original, OURS[name])  # tests that name keras.layers.X
     calls = []
     monkeypatch.setattr(OURS[name], "__init__", _spy(OURS[name].__init__, calls))
     result = unittest.TestResult()
     getattr(module, cls)(method).run(result)
-    assert not result.errors and not result.failures, (result.errors + result.failures)[0][1]
+    problems = [text for _, text in result.errors + result.failures]
+    if (name, method) in DEVIATIONS:  # documented: the failure is exactly the expected one
+        assert len(problems) == 1 and DEVIATIONS[name, method] in problems[0], problems
+        return
+    assert not problems, problems[0]
     assert calls, "the keras test did not construct our class"
 
 
@@ -474,3 +509,138 @@ def test_unsupported_backend_raises(monkeypatch, name):
 def test_invalid_arguments(name, kwargs, error, match):
     with pytest.raises(error, match=match):
         OURS[name](**kwargs)
+
+
+# ------------------------------------------------------------------ StableNormalization
+def _adapt_data(offset, rows=1001, seed=30):
+    return _normal(np.random.default_rng(seed), offset, (rows, 3))
+
+
+def _adapted(cls, data, batch_size):
+    layer = cls()
+    layer.adapt(
+        data if batch_size is None else tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
+    )
+    return layer
+
+
+def _exact_statistics(data):
+    """The oracle: the exact mean and variance per feature, rounded once to float32."""
+    pairs = [exact_value(data[:, c], np.float32) for c in range(data.shape[1])]
+    return tuple(np.array([p[i] for p in pairs], np.float32) for i in (0, 1))
+
+
+def _normalized_reference(data, x):
+    """(x - mean) / sqrt(var) in float64 with the exact statistics of the float32 data."""
+    d = data.astype(np.float64)
+    return (x.astype(np.float64) - d.mean(0)) / d.std(0)
+
+
+@pytest.mark.parametrize("offset", [1e6, 1e7], ids=["offset_1e6", "offset_1e7"])
+def test_adapt_is_exact_for_every_batching_and_keras_is_not(monkeypatch, offset):
+    """Batches of 1, 7, 1000 and all at once (and 7 / 1000 with no joining of batches):
+    the same bits, the oracle's; the output within 1e-5 of float64; keras's measured beside."""
+    data = _adapt_data(offset)
+    mean, var = _exact_statistics(data)
+    ref = _normalized_reference(data, data)
+    outputs = []
+    for batch_size, chunk in ((1, None), (7, None), (1000, None), (None, None), (7, 1), (1000, 1)):
+        if chunk is not None:
+            monkeypatch.setattr(_normalization, "_CHUNK_ELEMENTS", chunk)
+        layer = _adapted(StableNormalization, data, batch_size)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(
+            layer.adapt_mean.numpy().view(np.uint32), mean.view(np.uint32)
+        )
+        np.testing.assert_array_equal(
+            layer.adapt_variance.numpy().view(np.uint32), var.view(np.uint32)
+        )
+        assert int(layer.count.numpy()) == len(data)
+        y = np.asarray(layer(data))
+        assert np.max(np.abs(y - ref)) < F32_TOL
+        outputs.append(y.view(np.uint32))
+    for y in outputs[1:]:
+        np.testing.assert_array_equal(y, outputs[0])
+    for batch_size in (7, None):
+        theirs = _adapted(keras.layers.Normalization, data, batch_size)
+        assert np.max(np.abs(np.asarray(theirs(data)) - ref)) > 1e-2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normalization_call_modes_invert_and_given_statistics(mode):
+    data = _adapt_data(1e6)
+    adapted, inverted = StableNormalization(), StableNormalization(invert=True)
+    for layer in (adapted, inverted):
+        layer.adapt(data)
+    given = StableNormalization(mean=[1e6 + 0.3, -2.5e7, 7.0], variance=[4.0, 0.25, 1.0])
+
+    def fn(x, z):
+        return adapted(x), inverted(z), given(x)
+
+    if mode != "eager":
+        fn = tf.function(fn, jit_compile=mode == "jit_compile")
+    ref = _normalized_reference(data, data)
+    y, back, y_given = (
+        np.asarray(t) for t in fn(tf.constant(data), tf.constant(ref.astype(np.float32)))
+    )
+    assert np.max(np.abs(y - ref)) < F32_TOL
+    d = data.astype(np.float64)
+    back_ref = ref.astype(np.float32).astype(np.float64) * d.std(0) + d.mean(0)
+    assert np.max(np.abs(back - back_ref)) < 2 * np.spacing(np.float32(1e6))
+    given_ref = (d - np.array([1e6 + 0.3, -2.5e7, 7.0])) / np.array([2.0, 0.5, 1.0])
+    assert np.max(np.abs(y_given - given_ref) / np.maximum(1, np.abs(given_ref))) < F32_TOL
+
+
+def test_normalization_weights_and_files_of_keras_layer(tmp_path):
+    data = _adapt_data(1e3)
+    theirs = keras.layers.Normalization()
+    theirs.adapt(data)
+    ours = StableNormalization()
+    ours.build(data.shape)
+    names = [(w.name, w.shape) for w in ours.weights]
+    assert names[:3] == [(w.name, w.shape) for w in theirs.weights]
+    assert names[3] == ("mean_correction", (3,))
+    ours.set_weights(theirs.get_weights())  # keras's three weights
+    np.testing.assert_array_equal(ours.adapt_mean.numpy(), theirs.adapt_mean.numpy())
+    np.testing.assert_array_equal(ours.mean_correction.numpy(), np.zeros(3, np.float32))
+    np.testing.assert_allclose(
+        np.asarray(ours(data)), np.asarray(theirs(data)), rtol=1e-6, atol=1e-6
+    )
+    plain = StableNormalization(compensated_mean=False)
+    plain.build(data.shape)
+    assert [w.name for w in plain.weights] == [w.name for w in theirs.weights]
+
+    def model(cls):
+        return keras.Sequential([keras.Input((3,)), cls(), keras.layers.Dense(2)])
+
+    written = model(keras.layers.Normalization)
+    written.layers[0].adapt(data)
+    written.save_weights(tmp_path / "norm.weights.h5")
+    read = model(StableNormalization)
+    read.load_weights(tmp_path / "norm.weights.h5")
+    np.testing.assert_array_equal(np.asarray(read(data)), np.asarray(written(data)))
+    mine = model(StableNormalization)
+    mine.layers[0].adapt(_adapt_data(1e6))
+    mine.save(tmp_path / "norm.keras")
+    loaded = keras.models.load_model(tmp_path / "norm.keras")
+    assert type(loaded.layers[0]) is StableNormalization
+    x = _adapt_data(1e6, rows=16, seed=31)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(mine(x)))
+
+
+def test_normalization_config_and_errors():
+    config = StableNormalization(axis=(1, 2), invert=True, name="n").get_config()
+    assert config == {
+        **keras.layers.Normalization(axis=(1, 2), invert=True, name="n").get_config(),
+        "compensated_mean": True,
+    }
+    assert StableNormalization.from_config(config).get_config() == config
+    serialized = keras.saving.serialize_keras_object(StableNormalization(mean=1.0, variance=2.0))
+    assert serialized["registered_name"] == "tf_stable_moments>StableNormalization"
+    assert type(keras.saving.deserialize_keras_object(serialized)) is StableNormalization
+    with pytest.raises(
+        ValueError, match="compensated_mean must be a bool; received: compensated_mean=1"
+    ):
+        StableNormalization(compensated_mean=1)
+    with pytest.raises(ValueError, match="both `mean` and `variance` must be set"):
+        StableNormalization(mean=1.0)

@@ -159,6 +159,7 @@ class StableNormalization(keras.layers.Normalization):
         self.compensated_mean = compensated_mean
         self.mean_correction = None
         self._mean_lo = None
+        self._given = None
 
     # ------------------------------------------------------------ weights and state
     @property
@@ -183,9 +184,11 @@ class StableNormalization(keras.layers.Normalization):
         # Given mean/variance: keras's broadcast (of float64 numpy values), the mean in two parts.
         mean64 = np.asarray(self.input_mean, np.float64)
         hi, lo = _split(mean64)
-        self.mean = self._broadcast_given(hi if self.compensated_mean else mean64)
-        self.variance = self._broadcast_given(np.asarray(self.input_variance, np.float64))
-        self._mean_lo = self._broadcast_given(lo) if self.compensated_mean else None
+        self._given = (
+            self._broadcast_given(hi if self.compensated_mean else mean64),
+            self._broadcast_given(np.asarray(self.input_variance, np.float64)),
+            self._broadcast_given(lo) if self.compensated_mean else None,
+        )
 
     def _broadcast_given(self, value):
         """keras's alignment of a given mean/variance to the kept axes (right to left)."""
@@ -193,7 +196,13 @@ class StableNormalization(keras.layers.Normalization):
         for i in range(1, value.ndim + 1):
             expanded[self._keep_axis[-i]] = value.shape[-i]
         value = np.broadcast_to(value.reshape(expanded), self._broadcast_shape)
-        return keras.ops.convert_to_tensor(value.astype(self._work_dtype))
+        value = value.astype(self._work_dtype)
+        if keras.backend.backend() != "tensorflow":
+            return keras.ops.convert_to_tensor(value)
+        # An eager tensor even when built inside a tf.function: graphs capture it as an input,
+        # so grappler cannot fold (x - mean) - mean_lo into x - fl32(mean + mean_lo).
+        with tf.init_scope():
+            return tf.constant(value)
 
     def finalize_state(self):
         if self.input_mean is not None or not self.built:
@@ -300,11 +309,13 @@ class StableNormalization(keras.layers.Normalization):
         np_ops = self.backend.numpy  # backend-native, so that the layer runs in tf.data
         work = self._work_dtype
         x = self.backend.core.cast(self.backend.core.convert_to_tensor(inputs), work)
-        mean = self.convert_weight(self.mean)
-        scale = np_ops.maximum(
-            np_ops.sqrt(self.convert_weight(self.variance)), keras.config.epsilon()
-        )
-        lo = None if self._mean_lo is None else self.convert_weight(self._mean_lo)
+        if self._given is not None:
+            mean, variance, lo = self._given
+        else:
+            mean, variance, lo = self.mean, self.variance, self._mean_lo
+        mean, variance = self.convert_weight(mean), self.convert_weight(variance)
+        scale = np_ops.maximum(np_ops.sqrt(variance), keras.config.epsilon())
+        lo = None if lo is None else self.convert_weight(lo)
         if self.invert:
             y = np_ops.multiply(x, scale)
             if lo is not None:
