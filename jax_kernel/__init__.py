@@ -1,6 +1,16 @@
-"""Correctly rounded mean and variance in JAX: the reference kernel and jnp drop-ins."""
+"""Correctly rounded mean and variance in JAX: the kernel, jnp drop-ins, a mergeable state."""
 
 from jax_kernel._functions import mean, std, var
 from jax_kernel._moments import moments
+from jax_kernel._state import MomentsState, merge_states, moments_state, state_moments
 
-__all__ = ["mean", "moments", "std", "var"]
+__all__ = [
+    "MomentsState",
+    "mean",
+    "merge_states",
+    "moments",
+    "moments_state",
+    "state_moments",
+    "std",
+    "var",
+]

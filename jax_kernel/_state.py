@@ -1,0 +1,194 @@
+"""A mergeable moments state for JAX: exact statistics across devices and streams.
+
+The same state as ``tf_stable_moments.moments_state`` (the same bits;
+moments_core/_state.py, docs/algorithm.md section 12).  `MomentsState` is a
+pytree (values the leaf, the data's dtype static), so collectives apply to it:
+
+    state = moments_state(x_shard, axes=0)          # inside shard_map / pmap
+    state = jax.lax.psum(state, "devices")          # exact: int32 digit sums
+    mean, var = state_moments(state)                # the bits of moments(all data)
+
+States are int32: no 64-bit mode is needed outside the kernel.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kernel import _moments, _ops
+from moments_core import _state
+from moments_core._formats import FORMATS
+from moments_core._validate import canonical_axes, check_ddof
+
+__all__ = ["MomentsState", "merge_states", "moments_state", "state_moments"]
+
+
+def _layout(dtype):
+    work = _moments._compute_dtype(dtype)
+    return _state.Layout(FORMATS[np.dtype(work).name], 2 if np.dtype(dtype).kind == "c" else 1)
+
+
+def state_size(dtype):
+    """The length L of the state of one slice of inputs of `dtype` (int32 digits)."""
+    return _layout(dtype).size
+
+
+@jax.tree_util.register_pytree_node_class
+class MomentsState:
+    """The exact moments state of a batch of slices: `values` [*kept_dims, L] int32, `dtype`.
+
+    A pytree: `values` is its leaf and `dtype` (of the summarised data) static,
+    so ``jax.lax.psum(state, axis_name)`` sums the values of all devices: up to
+    2**15 states sum exactly, and the sum is a valid state (`merge_states` and
+    `state_moments` carry it into canonical form).  Immutable.
+    """
+
+    __slots__ = ("values", "dtype")
+
+    def __init__(self, values, dtype):
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as err:
+            raise TypeError(f"MomentsState: dtype must be a dtype; got dtype={dtype!r}") from err
+        size = _layout(dtype).size
+        values = jnp.asarray(values)
+        if values.dtype != np.int32:
+            raise TypeError(
+                f"MomentsState: values must be int32 digits; got values of dtype {values.dtype}"
+            )
+        if values.ndim == 0 or values.shape[-1] != size:
+            raise ValueError(
+                f"MomentsState: a state of {dtype.name} data has {size} digits per slice "
+                f"(values.shape[-1]); got values of shape {values.shape}"
+            )
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "dtype", dtype)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("MomentsState is immutable")
+
+    @property
+    def shape(self):
+        """The kept dimensions: one state per slice."""
+        return tuple(self.values.shape[:-1])
+
+    def __repr__(self):
+        return f"MomentsState(shape={self.shape}, dtype={self.dtype.name})"
+
+    def tree_flatten(self):
+        return (self.values,), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        # Leaves may be tracers, shardings or placeholders: no validation here.
+        state = object.__new__(cls)
+        object.__setattr__(state, "values", children[0])
+        object.__setattr__(state, "dtype", dtype)
+        return state
+
+
+def _check_state(state, fn, arg):
+    if not isinstance(state, MomentsState):
+        raise TypeError(f"{fn}: {arg} must be a MomentsState; got {arg}={state!r}")
+    return state
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _state_values(x, where, axes):
+    parts, axis, fmt, _ = _moments._kernel_parts(x, axes)
+    layout = _state.Layout(fmt, len(parts))
+    kept = _moments._out_shape(x.shape, axes, False)
+    with jax.enable_x64(True):
+        rows = [p.astype(np.float64) for p in parts]
+        rows = [r if axis == 1 else r.T for r in rows]
+        valid = None
+        if where is not None:
+            valid, _ = _moments._layout(jnp.broadcast_to(where, x.shape), axes)
+            valid = valid if axis == 1 else valid.T
+        digits = _state.from_rows(_ops, rows, valid, fmt)
+        return digits.astype(np.int32).reshape(*kept, layout.size)
+
+
+def moments_state(x, axes=None, *, where=None):
+    """The exact moments state of each slice of `x` over `axes` (merge it, then round it).
+
+    Same contract as ``tf_stable_moments.moments_state`` (the same bits): per
+    slice n, S1 = sum x_i and S2 = sum x_i**2 as exact integers and the NaN,
+    +inf and -inf counts per real part.  Works under jax.jit, shard_map, pmap
+    and vmap; no 64-bit mode needed.
+
+    Args:
+      x: array of dtype float16, bfloat16, float32, float64, complex64 or
+        complex128 (possibly empty: a valid state with n = 0).
+      axes: the reduced axes (int, sequence of ints, or None for all).
+      where: optional bool array broadcastable to x: only elements where it is
+        True count.
+
+    Returns:
+      A MomentsState with values [*kept_dims, L] int32 and dtype x.dtype.
+    """
+    x = jnp.asarray(x)
+    _moments._compute_dtype(x.dtype)
+    axes = canonical_axes(axes, x.ndim, "moments_state")
+    if where is not None:
+        where = jnp.asarray(where)
+        if where.dtype != np.bool_:
+            raise TypeError(
+                f"moments_state: where must be a bool array; got where of dtype {where.dtype}"
+            )
+    return MomentsState(_state_values(x, where, axes), x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _merge(a, b, dtype):
+    layout = _layout(dtype)
+    with jax.enable_x64(True):
+        flat = [v.reshape(-1, layout.size).astype(np.int64) for v in (a, b)]
+        merged = _state.merge(_ops, flat[0], flat[1], layout)
+        return merged.astype(np.int32).reshape(a.shape)
+
+
+def merge_states(a, b):
+    """The state of the union of the data of `a` and `b`: canonical, so associative and
+    commutative in bits.  a and b must summarise data of one dtype and slice shape; either
+    may be a sum of states (at most 2**15 states in all)."""
+    _check_state(a, "merge_states", "a")
+    _check_state(b, "merge_states", "b")
+    if a.dtype != b.dtype:
+        raise ValueError(
+            "merge_states: the states summarise data of different dtypes; got "
+            f"a.dtype={a.dtype.name}, b.dtype={b.dtype.name}"
+        )
+    if a.shape != b.shape:
+        raise ValueError(
+            "merge_states: the states have different slice shapes; got "
+            f"a.shape={a.shape}, b.shape={b.shape}"
+        )
+    return MomentsState(_merge(a.values, b.values, a.dtype), a.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _finish(values, dtype, ddof):
+    layout = _layout(dtype)
+    work = _moments._compute_dtype(dtype)
+    shape = values.shape[:-1]
+    with jax.enable_x64(True):
+        ddof = jnp.asarray(ddof, np.int64)
+        digits = values.reshape(-1, layout.size).astype(np.int64)
+        digits = _state.carry(_ops, digits, layout.lengths, 31)
+        means, var = _state.values(_ops, digits, layout, ddof)
+        means = [m.astype(work) for m in means]
+        var = var.astype(work).reshape(shape)
+    mean = means[0] if len(means) == 1 else jax.lax.complex(means[0], means[1])
+    return mean.reshape(shape), var
+
+
+def state_moments(state, ddof=0):
+    """(mean, variance) of the data a state summarises, each correctly rounded: the bits of
+    ``moments(data, axes, ddof=ddof)`` on all the data merged into `state`, with the same
+    special values (see ``tf_stable_moments.state_moments``)."""
+    _check_state(state, "state_moments", "state")
+    ddof = check_ddof(ddof, "state_moments")
+    return _finish(state.values, state.dtype, ddof)

@@ -1,0 +1,264 @@
+"""A mergeable moments state for TensorFlow: exact statistics across replicas and streams.
+
+`moments_state(x, axes)` turns each slice into a fixed-length int32 vector of
+exact integer sums (moments_core/_state.py, docs/algorithm.md section 12);
+`merge_states(a, b)` merges two states exactly; `state_moments(state, ddof)`
+rounds the merged sums once: the bits of `moments` on the concatenated data.
+Every digit of a state is below 2**16, so an int32 all-reduce SUM of up to
+2**15 states is exact in any order:
+
+    ctx = tf.distribute.get_replica_context()
+    state = moments_state(x_local, axes=[0])
+    total = MomentsState(ctx.all_reduce(tf.distribute.ReduceOp.SUM, state.values), state.dtype)
+    mean, var = state_moments(total)      # the same bits on every replica
+"""
+
+import threading
+
+import tensorflow as tf
+from tensorflow.python.eager import context as _context
+
+from moments_core import _state
+from moments_core._formats import FORMATS
+from moments_core._validate import canonical_axes, check_ddof
+from tf_stable_moments import _moments, _ops
+
+__all__ = ["MomentsState", "merge_states", "moments_state", "state_moments"]
+
+_OPS = _ops.PLAIN  # integer operations only: the same in eager mode, graphs and XLA
+
+
+def _layout(dtype):
+    work = _moments._compute_dtype(dtype)
+    return _state.Layout(FORMATS[work.name], 2 if dtype.is_complex else 1)
+
+
+def state_size(dtype):
+    """The length L of the state of one slice of inputs of `dtype` (int32 digits)."""
+    return _layout(tf.as_dtype(dtype)).size
+
+
+class MomentsState:
+    """The exact moments state of a batch of slices: `values` [*kept_dims, L] int32, `dtype`.
+
+    `values` holds per slice the count, the exact sums S1 (per real part) and S2
+    and the NaN/+inf/-inf counts as radix-2**16 digits (docs/algorithm.md,
+    section 12); `dtype` is the dtype of the data it summarises (static).  The
+    sum of up to 2**15 states' `values` (for example an all-reduce SUM over
+    replicas) is the `values` of their merge: rebuild it with
+    ``MomentsState(summed_values, state.dtype)``.  Immutable.
+    """
+
+    __slots__ = ("values", "dtype")
+
+    def __init__(self, values, dtype):
+        try:
+            dtype = tf.as_dtype(dtype)
+        except TypeError as err:
+            raise TypeError(f"MomentsState: dtype must be a dtype; got dtype={dtype!r}") from err
+        size = _layout(dtype).size
+        values = tf.convert_to_tensor(values)
+        if values.dtype != tf.int32:
+            raise TypeError(
+                "MomentsState: values must be int32 digits; "
+                f"got values of dtype {values.dtype.name}"
+            )
+        if values.shape.rank == 0 or values.shape[-1] not in (None, size):
+            raise ValueError(
+                f"MomentsState: a state of {dtype.name} data has {size} digits per slice "
+                f"(values.shape[-1]); got values of shape {values.shape}"
+            )
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "dtype", dtype)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("MomentsState is immutable")
+
+    @property
+    def shape(self):
+        """The kept dimensions: one state per slice."""
+        return self.values.shape[:-1]
+
+    def __repr__(self):
+        return f"MomentsState(shape={self.shape}, dtype={self.dtype.name})"
+
+
+def _check_state(state, fn, arg):
+    if not isinstance(state, MomentsState):
+        raise TypeError(f"{fn}: {arg} must be a MomentsState; got {arg}={state!r}")
+    return state
+
+
+# Graph functions are kept per TensorFlow context (a reset context starts afresh) and hold
+# no tensor; only eager calls use them (graphs build the operations in place).
+_lock = threading.Lock()
+_cache = {"context": None, "functions": {}}
+
+
+def _eager_function(key, fn, spec):
+    ctx = _context.context()
+    with _lock:
+        if _cache["context"] is not ctx:
+            _cache.update(context=ctx, functions={})
+        if key not in _cache["functions"]:
+            _cache["functions"][key] = tf.function(fn, input_signature=spec, autograph=False)
+        return _cache["functions"][key]
+
+
+def _run(key, fn, args):
+    """fn(*args): built in place in a graph; in eager mode, a graph function of this
+    context traced once per key, argument dtypes and ranks (any dimensions)."""
+    if not tf.executing_eagerly():
+        return fn(*args)
+    spec = [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args]
+    key = (*key, *((a.dtype, a.shape.rank) for a in args))
+    return _eager_function(key, fn, spec)(*args)
+
+
+@tf.autograph.experimental.do_not_convert
+def moments_state(x, axes=None, *, where=None, name=None):
+    """The exact moments state of each slice of `x` over `axes` (merge it, then round it).
+
+    Per slice, the state holds n, S1 = sum x_i and S2 = sum x_i**2 exactly, as
+    integers in units of the format's lowest bit (X_i = x_i / 2**base), and the
+    counts of NaN, +inf and -inf per real part.  `state_moments` of a merge of
+    the states of shards gives mean = S1 / n and
+    var = (n S2 - S1**2) / (n (n - ddof)), each rounded once: the bits of
+    `moments` on the concatenated shards, whatever the order of merging.
+    Computing it runs the exact integer accumulation over every element
+    (slower than `moments`; docs/algorithm.md section 12 has measurements).
+
+    Args:
+      x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
+        complex128, of known rank.  It may be empty (a valid state: n = 0).
+      axes: the reduced axes (int or sequence of ints; None: all).
+      where: optional bool Tensor broadcastable to x: only the elements where
+        it is True count (n is their number per slice).
+      name: name scope.
+
+    Returns:
+      A MomentsState with values [*kept_dims, L] int32 and dtype x.dtype.
+      No gradient flows through it (integer sums).
+    """
+    with tf.name_scope(name or "moments_state"):
+        x = tf.convert_to_tensor(x)
+        _moments._compute_dtype(x.dtype)
+        if x.shape.rank is None:
+            raise ValueError(
+                "moments_state: x must have a known rank; got a tensor of unknown rank"
+            )
+        axes = canonical_axes(
+            tf.get_static_value(axes) if isinstance(axes, tf.Tensor) else axes,
+            x.shape.rank,
+            "moments_state",
+        )
+        x = tf.stop_gradient(x)
+        if where is not None:
+            where = tf.convert_to_tensor(where)
+            if where.dtype != tf.bool:
+                raise TypeError(
+                    f"moments_state: where must be a bool tensor; got where of dtype "
+                    f"{where.dtype.name}"
+                )
+            where = tf.broadcast_to(where, tf.shape(x))
+        args = [x] if where is None else [x, where]
+        return MomentsState(_run(("state", axes), _state_values(axes), args), x.dtype)
+
+
+def _state_values(axes):
+    def fn(x, where=None):
+        layout = _layout(x.dtype)
+        rows = []
+        for part in _moments._parts(x):
+            laid, axis = _moments._layout(part, axes)
+            laid = tf.cast(laid, tf.float64)
+            rows.append(laid if axis == 1 else tf.transpose(laid))
+        valid = None
+        if where is not None:
+            valid, axis = _moments._layout(where, axes)
+            valid = valid if axis == 1 else tf.transpose(valid)
+        digits = tf.cast(_state.from_rows(_OPS, rows, valid, layout.fmt), tf.int32)
+        shape = _moments._out_shape(x, axes, False)
+        if tf.is_tensor(shape):
+            shape = tf.concat([tf.cast(shape, tf.int64), [layout.size]], 0)
+        else:
+            shape = [*shape, layout.size]
+        return tf.reshape(digits, shape)
+
+    return fn
+
+
+@tf.autograph.experimental.do_not_convert
+def merge_states(a, b, name=None):
+    """The state of the union of the data of `a` and `b`: canonical, so associative and
+    commutative in bits.  a and b must summarise data of one dtype and slice shape; either
+    may be a sum of states (at most 2**15 states in all)."""
+    _check_state(a, "merge_states", "a")
+    _check_state(b, "merge_states", "b")
+    if a.dtype != b.dtype:
+        raise ValueError(
+            "merge_states: the states summarise data of different dtypes; got "
+            f"a.dtype={a.dtype.name}, b.dtype={b.dtype.name}"
+        )
+    if not a.values.shape.is_compatible_with(b.values.shape):
+        raise ValueError(
+            "merge_states: the states have different slice shapes; got "
+            f"a.shape={a.shape}, b.shape={b.shape}"
+        )
+    with tf.name_scope(name or "merge_states"):
+        layout = _layout(a.dtype)
+        shape = tf.shape(a.values)
+        flat = [tf.reshape(v, [-1, layout.size]) for v in (a.values, b.values)]
+        merged = _run(("merge", a.dtype), _merge(layout), flat)
+        return MomentsState(tf.reshape(merged, shape), a.dtype)
+
+
+def _merge(layout):
+    def fn(a, b):
+        digits = _state.merge(_OPS, tf.cast(a, tf.int64), tf.cast(b, tf.int64), layout)
+        return tf.cast(digits, tf.int32)
+
+    return fn
+
+
+def _finish(layout, dtype):
+    work = _moments._compute_dtype(dtype)
+
+    def fn(values, ddof):
+        digits = _state.carry(_OPS, tf.cast(values, tf.int64), layout.lengths, 31)
+        means, var = _state.values(_OPS, digits, layout, ddof)
+        means = [tf.cast(m, work) for m in means]
+        mean = means[0] if len(means) == 1 else tf.complex(means[0], means[1])
+        return mean, tf.cast(var, work)
+
+    return fn
+
+
+@tf.autograph.experimental.do_not_convert
+def state_moments(state, ddof=0, name=None):
+    """(mean, variance) of the data a state summarises, each correctly rounded.
+
+    mean = S1 / n, var = (n S2 - S1**2) / (n (n - ddof)) from the exact sums,
+    rounded once to the target format: the bits of `moments(data, axes,
+    ddof=ddof)` on all the data merged into `state`, with the same special
+    values (NaN or Inf in a slice: var NaN, the mean by IEEE rules per real part;
+    n - ddof <= 0: var NaN; n = 0: both NaN).
+
+    Args:
+      state: a MomentsState (possibly an all-reduced sum of at most 2**15 states).
+      ddof: delta degrees of freedom, a non-negative int.
+      name: name scope.
+
+    Returns:
+      (mean, variance) shaped like the state's kept dimensions, of its dtype
+      (variance real for complex data).
+    """
+    _check_state(state, "state_moments", "state")
+    ddof = check_ddof(ddof, "state_moments")
+    with tf.name_scope(name or "state_moments"):
+        layout = _layout(state.dtype)
+        fn = _finish(layout, state.dtype)
+        flat = tf.reshape(state.values, [-1, layout.size])
+        mean, var = _run(("finish", state.dtype), fn, [flat, tf.constant(ddof, tf.int64)])
+        shape = tf.shape(state.values)[:-1]
+        return tf.reshape(mean, shape), tf.reshape(var, shape)
