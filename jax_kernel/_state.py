@@ -1,7 +1,7 @@
 """A mergeable moments state for JAX: exact statistics across devices and streams.
 
 The same state as ``tf_stable_moments.moments_state`` (the same bits;
-moments_core/_state.py, docs/algorithm.md section 12).  `MomentsState` is a
+moments_core/_state.py, docs/algorithm.md section 13).  `MomentsState` is a
 pytree (values the leaf, the data's dtype static), so collectives apply to it:
 
     state = moments_state(x_shard, axes=0)          # inside shard_map / pmap

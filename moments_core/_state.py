@@ -1,4 +1,4 @@
-"""The mergeable moments state: exact per-slice sums as int32 digits (docs section 12).
+"""The mergeable moments state: exact per-slice sums as int32 digits (docs section 13).
 
 Written once for both frameworks against the `ops` namespaces of the kernel
 (tf_stable_moments/_ops.py, jax_kernel/_ops.py).  A state of one slice is a

@@ -166,8 +166,18 @@ def test_unknown_shapes_do_not_retrace_per_batch_size():
 
 
 def test_public_surface_is_thin():
-    assert set(tf_stable_moments.__all__) == {"moments", "StableBatchNormalization"}
-    assert jax_kernel.__all__ == ["moments"]
+    state = {"MomentsState", "moments_state", "merge_states", "state_moments"}
+    layers = {
+        "StableBatchNormalization",
+        "StableGroupNormalization",
+        "StableLayerNormalization",
+        "StableNormalization",
+    }
+    functions = {"keras_moments", "reduce_std", "reduce_variance", "weighted_moments"}
+    assert set(tf_stable_moments.__all__) == {"moments"} | state | layers | functions
+    assert set(jax_kernel.__all__) == {"moments", "mean", "var", "std"} | state
+    for package in (tf_stable_moments, jax_kernel):  # modules are private: nothing else shows
+        assert {k for k in vars(package) if not k.startswith("_")} == set(package.__all__)
 
 
 def test_jax_vmap_matches_per_example_calls():

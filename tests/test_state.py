@@ -34,17 +34,14 @@ DATASETS = (
     "D4",
     "offset_1e+38",
     "spread_1e-19",
-    "spread_1e+18",
-    "spread_1e-19_at_1e-12",
     "n_1",
     "n_2",
     "cancelling_large",
     "tiny_with_subnormals",
     "huge_overflowing_variance",
-    "axes_0_1_2_conv",
 )
 SHARDS = (1, 2, 3, 4, 8)
-COLUMNS = 12  # slices taken from each dataset (CI budget)
+COLUMNS = 8  # slices taken from each dataset (CI budget)
 
 
 def _special_columns(rng, dtype):
@@ -193,7 +190,7 @@ def test_jax_collectives_give_the_single_device_bits(tmp_path):
     expected = [oracle(x[where[:, j], j][:, None], (0,), 1) for j in range(x.shape[1])]
     np.testing.assert_array_equal(bits(var), bits(np.array([e[1][0] for e in expected])))
     np.testing.assert_array_equal(bits(mean), bits(np.array([e[0][0] for e in expected])))
-    for key in ("shard_map", "pmap", "jit_sharded", "merged"):
+    for key in ("shard_map", "pmap", "jit_sharded"):
         np.testing.assert_array_equal(out[f"{key}_canonical"], whole.values.numpy(), err_msg=key)
         np.testing.assert_array_equal(bits(out[f"{key}_mean"]), bits(mean), err_msg=key)
         np.testing.assert_array_equal(bits(out[f"{key}_var"]), bits(var), err_msg=key)

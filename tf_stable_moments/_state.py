@@ -1,7 +1,7 @@
 """A mergeable moments state for TensorFlow: exact statistics across replicas and streams.
 
 `moments_state(x, axes)` turns each slice into a fixed-length int32 vector of
-exact integer sums (moments_core/_state.py, docs/algorithm.md section 12);
+exact integer sums (moments_core/_state.py, docs/algorithm.md section 13);
 `merge_states(a, b)` merges two states exactly; `state_moments(state, ddof)`
 rounds the merged sums once: the bits of `moments` on the concatenated data.
 Every digit of a state is below 2**16, so an int32 all-reduce SUM of up to
@@ -43,7 +43,7 @@ class MomentsState:
 
     `values` holds per slice the count, the exact sums S1 (per real part) and S2
     and the NaN/+inf/-inf counts as radix-2**16 digits (docs/algorithm.md,
-    section 12); `dtype` is the dtype of the data it summarises (static).  The
+    section 13); `dtype` is the dtype of the data it summarises (static).  The
     sum of up to 2**15 states' `values` (for example an all-reduce SUM over
     replicas) is the `values` of their merge: rebuild it with
     ``MomentsState(summed_values, state.dtype)``.  Immutable.
@@ -126,7 +126,7 @@ def moments_state(x, axes=None, *, where=None, name=None):
     var = (n S2 - S1**2) / (n (n - ddof)), each rounded once: the bits of
     `moments` on the concatenated shards, whatever the order of merging.
     Computing it runs the exact integer accumulation over every element
-    (slower than `moments`; docs/algorithm.md section 12 has measurements).
+    (slower than `moments`; docs/algorithm.md section 13 has measurements).
 
     Args:
       x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
