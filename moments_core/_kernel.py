@@ -435,6 +435,9 @@ def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=(), mask=No
     """
     size = ops.shape(parts[0], axis)
     c = counts(ops, size if n is None else n, ddof)
+    kept = ops.shape(parts[0], 1 - axis)
+    if isinstance(kept, int) and kept == 0:  # no slices: nothing to recompute
+        return _special_counts(ops, means, var, c, ddof)
     if len(sums):
         exact, flat = sums[0], list(sums[1:])
         per_part = [flat[3 * i : 3 * i + 3] for i in range(len(parts))]

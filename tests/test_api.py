@@ -128,6 +128,14 @@ def test_empty_slices_give_nan(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_no_slices_give_empty_results(mode):
+    """A kept axis of length 0 (was an IndexError in the XLA kernel's exact path)."""
+    mean, var = run(mode, np.zeros((3, 0), np.float32), (0,))
+    assert mean.shape == var.shape == (0,)
+    assert mean.dtype == var.dtype == np.float32
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nan_and_inf_stay_in_their_slice(mode):
     rng = np.random.default_rng(4)
     x = rng.normal(1e6, 1.0, (50, 9)).astype(np.float32)
