@@ -30,6 +30,11 @@ MODES = (
 # over many shapes run them on a few representative shapes.
 XLA_MODES = ("tf_jit_compile", "tf_eager_xla", "jax_jit_xla")
 CHEAP_MODES = tuple(m for m in MODES if m not in XLA_MODES)
+# tf_function_plain runs the very computation of tf_eager_plain (the same eager
+# operations, inside a tf.py_function; about a second per call on 2 cores): the tests
+# over every data set and rounding fixture run it as tf_eager_plain only; the API,
+# gradient and special-value tests run both.
+SLICE_MODES = tuple(m for m in CHEAP_MODES if m != "tf_function_plain")
 
 _functions = {}
 

@@ -71,6 +71,29 @@ def slices(x, axes):
     return np.transpose(x, kept + list(axes)).reshape(-1, n)
 
 
+def stacked(named):
+    """{(dtype name, n, ddof): (rows [m, n], the name of each row)} of named (x, axes, ddof).
+
+    The slices of all entries with one dtype, slice length and ddof, stacked as rows of
+    one array (reduce it over axis 1): one XLA compilation per group.
+    """
+    groups = {}
+    for name in sorted(named):
+        x, axes, ddof = named[name]
+        rows = slices(x, axes)
+        key = (np.dtype(x.dtype).name, rows.shape[1], ddof)
+        groups.setdefault(key, []).append((rows, [name] * rows.shape[0]))
+    return {
+        key: (np.concatenate([r for r, _ in parts]), [n for _, names in parts for n in names])
+        for key, parts in groups.items()
+    }
+
+
+def group_id(key):
+    dtype, n, ddof = key
+    return f"{dtype}-n{n}-ddof{ddof}"
+
+
 def exact_stats(values, dtype=None, ddof=0):
     """(mean, var) of one real slice as Fractions, inputs flushed as the oracle does."""
     values = np.asarray(values)

@@ -5,14 +5,19 @@ import functools
 import datasets
 import numpy as np
 import pytest
-from modes import CHEAP_MODES, XLA_MODES, bits, run
+import rounding_fixtures
+from modes import CHEAP_MODES, SLICE_MODES, XLA_MODES, bits, run
 
 from tf_stable_moments._oracle import exact_moments, exact_value
 
 DATA = datasets.all_datasets()
 F32_EPS = 2.0**-24
-# The modes that compile per shape run on a representative few (CI budget): both layouts,
-# the extremes of offset and spread, tiny and large n, specials, several axes.
+CASES = [(n, m) for n in sorted(DATA) for m in SLICE_MODES]
+# The modes that compile per shape (seconds each on 2 cores) get the data sets' slices
+# stacked as rows of one array per slice length (as tests/test_certification.py does
+# for the rounding fixtures): one compilation per group.  The CI budget allows the
+# groups that hold these data sets (both layouts, the extremes of offset and spread,
+# large n, specials, several axes), and every other data set of the same slice length.
 XLA_DATA = (
     "D2",
     "offset_1e+38",
@@ -21,9 +26,13 @@ XLA_DATA = (
     "huge_overflowing_variance",
     "axes_0_2_strided",
 )
-CASES = [(n, m) for n in sorted(DATA) for m in CHEAP_MODES] + [
-    (n, m) for n in XLA_DATA for m in XLA_MODES
-]
+XLA_GROUPS = {
+    key: group
+    for key, group in rounding_fixtures.stacked(
+        {k: (x, axes, 0) for k, (x, axes, _) in DATA.items()}
+    ).items()
+    if set(group[1]) & set(XLA_DATA)
+}
 MODES = CHEAP_MODES + XLA_MODES
 
 
@@ -64,6 +73,25 @@ def test_mean_correctly_rounded(name, mode):
         f"{wrong.size} means not correctly rounded, e.g. "
         f"{mean.ravel()[wrong[:3]]} vs {exact.ravel()[wrong[:3]]}"
     )
+
+
+@functools.cache
+def group_oracle(key):
+    want = [oracle(name) for name in dict.fromkeys(XLA_GROUPS[key][1])]
+    return tuple(np.concatenate([np.ravel(w[i]) for w in want]) for i in (0, 1))
+
+
+@pytest.mark.parametrize("mode", XLA_MODES)
+@pytest.mark.parametrize("key", sorted(XLA_GROUPS), ids=rounding_fixtures.group_id)
+def test_every_data_set_is_correctly_rounded_under_xla(key, mode):
+    rows, names = XLA_GROUPS[key]
+    out = run(mode, rows, (1,))
+    for got, exact, what in zip(out, group_oracle(key), ("mean", "var")):
+        wrong = np.flatnonzero(bits(got) != bits(exact))
+        assert wrong.size == 0, (
+            f"{what}: {wrong.size} slices not correctly rounded in "
+            f"{sorted({names[i] for i in wrong})}: {got[wrong[:3]]} vs {exact[wrong[:3]]}"
+        )
 
 
 @pytest.mark.parametrize("mode", MODES)
