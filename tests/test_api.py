@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
-from modes import MODES, bits, run
+from modes import MODES, XLA_MODES, bits, run
 
 import jax_kernel
 import tf_stable_moments
@@ -115,7 +115,7 @@ def test_ddof_divides_by_n_minus_ddof_and_nan_when_not_positive(mode):
     _, var = run(mode, x, (0,), ddof=1)
     exact = np.array([exact_moments(x[:, j], np.float32, ddof=1)[1] for j in range(3)])
     np.testing.assert_array_equal(bits(var), bits(exact))
-    for ddof in (7, 9):
+    for ddof in (7, 9) if mode not in XLA_MODES else (7,):  # (one compilation per ddof)
         _, var = run(mode, x, (0,), ddof=ddof)
         assert np.all(np.isnan(var))
 

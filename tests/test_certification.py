@@ -171,7 +171,10 @@ def test_a_wrong_certificate_is_caught(bound, monkeypatch):
     near-ties, which the oracle comparison catches; with the bound widened by the same
     amount, the rounding test sends them to the exact path and they are right again."""
     names = [k for k in sorted(FIXTURES) if CLAIMS[k][0][:2] == ("var", "near")]
-    names = [k for k in names if FIXTURES[k][0].dtype == np.float32]
+    # the float32 ones of at most 16 elements (11 of 14; the plain-operations mode
+    # runs the exact path of long slices slowly: seconds each on 2 cores)
+    names = [k for k in names if FIXTURES[k][0].dtype == np.float32 and FIXTURES[k][0].size <= 16]
+    assert len(names) >= 5
     real = _kernel.certify
 
     def certify(ops, v, err, fmt):
