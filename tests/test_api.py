@@ -166,7 +166,7 @@ def test_unknown_shapes_do_not_retrace_per_batch_size():
 
 
 def test_public_surface_is_thin():
-    assert set(tf_stable_moments.__all__) == {"moments", "StableBatchNormalization"}
+    assert set(tf_stable_moments.__all__) == {"moments", "StableBatchNormalization", "stabilize"}
     assert jax_kernel.__all__ == ["moments"]
 
 
