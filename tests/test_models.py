@@ -181,3 +181,92 @@ def test_stabilize_rejects_what_it_cannot_swap():
     outer = keras.Model(inputs, Subclassed(name="inner")(inputs))
     with pytest.raises(ValueError, match="the nested model 'inner' is a subclassed model"):
         tf_stable_moments.stabilize(outer)
+
+
+def test_stabilize_can_turn_on_compensated_moving_stats():
+    import keras
+
+    import tf_stable_moments
+
+    model = _nested_model()
+    swapped = tf_stable_moments.stabilize(model, compensated_moving_stats=True)
+    bns = [layer for layer in _leaves(swapped) if hasattr(layer, "compensated_moving_stats")]
+    assert len(bns) == 3 and all(layer.compensated_moving_stats for layer in bns)
+    for layer in bns:
+        np.testing.assert_array_equal(layer.moving_mean_correction, np.zeros(6, np.float32))
+    with pytest.raises(ValueError, match="compensated_moving_stats must be a bool; .*='yes'"):
+        tf_stable_moments.stabilize(
+            keras.Sequential([keras.Input((2,))]), compensated_moving_stats="yes"
+        )
+
+
+# ------------------------------------- the default compensated_moving_stats=False, at 1e6
+
+
+def _stalled_layer_run(compensated, offset=1e6, steps=100, fit=False):
+    """Train one layer on N(offset, 1) from a moving mean 2 below; returns (layer, warnings)."""
+    import warnings
+
+    import keras
+
+    import tf_stable_moments
+
+    rng = np.random.default_rng(31)
+    x = rng.normal(offset, 1.0, (steps * 64, 4)).astype(np.float32)
+    layer = tf_stable_moments.StableBatchNormalization(
+        momentum=0.9,
+        compensated_moving_stats=compensated,
+        moving_mean_initializer=keras.initializers.Constant(offset - 2),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fit:
+            model = keras.Sequential([keras.Input((4,)), layer])
+            model.compile("sgd", "mse", jit_compile=False)
+            model.fit(x, np.zeros_like(x), batch_size=64, verbose=0)
+        else:
+            for i in range(steps):
+                layer(x[64 * i : 64 * (i + 1)], training=True)
+    stalls = [str(w.message) for w in caught if "cannot follow the batch mean" in str(w.message)]
+    return layer, stalls
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["eager", "fit_tf_function"])
+def test_default_moving_mean_stalls_at_1e6_and_warns_once(fit):
+    """momentum 0.9 at 1e6: updates below 0.03125 / 0.1 = 0.31 are lost; one warning says so."""
+    layer, stalls = _stalled_layer_run(False, fit=fit)
+    assert len(stalls) == 1, stalls
+    assert re.search(r"below half an ulp of the moving mean \(0\.0312\)", stalls[0]), stalls[0]
+    assert "compensated_moving_stats=True" in stalls[0]
+    x = np.random.default_rng(32).normal(1e6, 1.0, (4096, 4)).astype(np.float32)
+    off = np.abs(np.mean(np.asarray(layer(x, training=False)), axis=0))
+    assert np.max(off) > 0.2, off  # inference shifted by the stalled moving mean
+
+
+def test_compensated_moving_mean_follows_at_1e6_without_warning():
+    layer, stalls = _stalled_layer_run(True)
+    assert stalls == []
+    x = np.random.default_rng(32).normal(1e6, 1.0, (4096, 4)).astype(np.float32)
+    off = np.abs(np.mean(np.asarray(layer(x, training=False)), axis=0))
+    assert np.max(off) < 0.1, off
+
+
+def test_no_stall_warning_for_harmless_losses_at_offset_100():
+    """Batch means 1.5e-5 above a moving mean of 100: the update (1.5e-6) is below half an
+    ulp (3.8e-6) and lost, but the loss is 1.5e-5 standard deviations: no warning."""
+    import warnings
+
+    import keras
+
+    import tf_stable_moments
+
+    z = np.random.default_rng(33).normal(size=(64, 4))
+    x = (100 + 1.5e-5 + (z - z.mean(axis=0))).astype(np.float32)
+    layer = tf_stable_moments.StableBatchNormalization(
+        momentum=0.9, moving_mean_initializer=keras.initializers.Constant(100.0)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            layer(x, training=True)
+    np.testing.assert_array_equal(layer.moving_mean, np.full(4, 100, np.float32))  # it stalled

@@ -41,7 +41,7 @@ def _copy_weights(old, new):
         target.assign(source)
 
 
-def stabilize(model):
+def stabilize(model, *, compensated_moving_stats=False):
     """A copy of `model` with every Keras normalization layer replaced by this package's.
 
     Every `keras.layers.BatchNormalization` becomes a `StableBatchNormalization` with
@@ -59,6 +59,9 @@ def stabilize(model):
         model: a `keras.Sequential` or functional `keras.Model`.  (Subclassed
             models cannot be cloned layer by layer: construct them with
             StableBatchNormalization instead.)
+        compensated_moving_stats: keyword only, default False: the option of the
+            same name of every StableBatchNormalization made from a keras
+            BatchNormalization (the correction weights start at 0).
 
     Returns:
         The new, uncompiled model.
@@ -66,11 +69,16 @@ def stabilize(model):
     Raises:
         TypeError: `model` is not a keras.Model.
         ValueError: `model`, or a model nested in it that holds a normalization
-            layer, is a subclassed model.
+            layer, is a subclassed model; compensated_moving_stats is not a bool.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"model must be a keras.Model (Sequential or functional); received model={model!r}"
+        )
+    if not isinstance(compensated_moving_stats, bool):
+        raise ValueError(
+            "compensated_moving_stats must be a bool; "
+            f"received: compensated_moving_stats={compensated_moving_stats!r}"
         )
     replacements = _replacements()
     pairs = []
@@ -90,7 +98,10 @@ def stabilize(model):
             if any(type(sub) in replacements for sub in layer._flatten_layers()):
                 check_clonable(layer, f"the nested model {layer.name!r}")
         new_class = replacements.get(type(layer), type(layer))
-        new = new_class.from_config(layer.get_config())
+        config = layer.get_config()
+        if type(layer) is keras.layers.BatchNormalization and compensated_moving_stats:
+            config["compensated_moving_stats"] = True
+        new = new_class.from_config(config)
         pairs.append((layer, new))
         return new
 
