@@ -5,6 +5,7 @@ soon as a test that needs them is selected, so they run while the tests in this
 process do.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -270,3 +271,122 @@ def test_no_stall_warning_for_harmless_losses_at_offset_100():
         for _ in range(3):
             layer(x, training=True)
     np.testing.assert_array_equal(layer.moving_mean, np.full(4, 100, np.float32))  # it stalled
+
+
+# ------------------------------------------- mixed_bfloat16: an input BN's inputs are cast
+
+
+def test_mixed_bfloat16_cast_of_float32_inputs_warns_once():
+    import warnings
+
+    import keras
+
+    import tf_stable_moments
+
+    x = np.random.default_rng(41).normal(1e6, 1.0, (64, 4)).astype(np.float32)
+    layer = tf_stable_moments.StableBatchNormalization(dtype="mixed_bfloat16")
+    with pytest.warns(UserWarning, match=r"casts its float32 inputs to bfloat16 .*dtype='float32'"):
+        y = layer(x, training=True)
+    assert np.all(np.asarray(keras.ops.cast(y, "float32")) == 0)  # N(1e6, 1) is constant in bf16
+    kept = tf_stable_moments.StableBatchNormalization(dtype="float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x, training=True)  # once per layer
+        layer(keras.ops.cast(x - 1e6, "bfloat16"), training=True)  # already 16-bit: no cast
+        y = kept(x, training=True)  # the remedy the warning names
+    assert 0.5 < float(np.std(np.asarray(y))) < 1.5
+
+
+# ------------------------------ a real architecture, every BN swapped: fit, save, load
+
+
+def _mobilenet():
+    """keras.applications.MobileNet(alpha=0.25) at 32x32, 27 BatchNormalization layers."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.applications.MobileNet(
+        weights=None, input_shape=(32, 32, 3), alpha=0.25, classes=4
+    )
+
+
+@pytest.mark.parametrize("mode", ["tf_function", "eager"])
+def test_real_architecture_fits_a_partial_last_batch_and_reloads(tmp_path, mode):
+    """TensorFlow backend; jit_compile=True is in tests/test_regressions.py (a small model:
+    the XLA kernel compiles per BN layer and batch size, too slow for a real one in CI)."""
+    import keras
+
+    import tf_stable_moments
+
+    base = _mobilenet()
+    model = tf_stable_moments.stabilize(base)
+    bns = [layer for layer in _leaves(model) if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(bns) == 27 and {type(b) for b in bns} == {tf_stable_moments.StableBatchNormalization}
+    model.compile(
+        "sgd",
+        keras.losses.SparseCategoricalCrossentropy(),
+        run_eagerly=mode == "eager",
+        jit_compile=False,
+    )
+    rng = np.random.default_rng(42)
+    x = rng.normal(size=(12, 32, 32, 3)).astype(np.float32)
+    y = np.arange(12) % 4
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # batches of 8 and 4
+    assert np.isfinite(history.history["loss"][0])
+    assert any(np.any(b.moving_mean.numpy() != 0) for b in bns)  # the statistics moved
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    before, after = (m.predict(x[:8], batch_size=8, verbose=0) for m in (model, loaded))
+    np.testing.assert_array_equal(before.view(np.uint32), after.view(np.uint32))
+
+
+# ------------------------------------------------------- the JAX backend, in a subprocess
+
+
+@pytest.fixture(scope="module")
+def jax_process(request, tmp_path_factory):
+    if not _selected(request, "test_jax_backend"):
+        yield None
+        return
+    import keras
+
+    import tf_stable_moments
+
+    folder = tmp_path_factory.mktemp("jax")
+    model = keras.Sequential([keras.Input((3,)), tf_stable_moments.StableBatchNormalization()])
+    model.save(folder / "tiny.keras")
+    script = str(ROOT / "tests" / "_models_check.py")
+    args = [sys.executable, script, str(folder / "tiny.keras"), str(folder)]
+    job = _Background(args, _env(KERAS_BACKEND="jax"))
+    yield job
+    job.close()
+
+
+@pytest.fixture(scope="module")
+def jax_result(jax_process):
+    rc, out, err = jax_process.result()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert rc == 0 and lines, out[-2000:] + err[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_jax_backend_import_does_not_import_tensorflow(jax_result):
+    assert jax_result["tensorflow_after_import"] is False
+    assert jax_result["tensorflow_after_layer"] is False  # training and inference calls
+
+
+def test_jax_backend_load_without_the_import_names_the_package(jax_result):
+    """Keras builds the message from the class __name__ ('BatchNormalization', kept for
+    weight files); the config it shows names the module to import and our class."""
+    error = jax_result["load_error"]
+    assert error is not None
+    assert "'module': 'tf_stable_moments', 'class_name': 'BatchNormalization'" in error
+    assert "'registered_name': 'tf_stable_moments>StableBatchNormalization'" in error
+    assert jax_result["loaded_type"] == "StableBatchNormalization"  # after the import
+
+
+def test_jax_backend_fit_partial_last_batch_and_reload(jax_result):
+    fit = jax_result["fit"]
+    assert fit["bn_classes"] == ["StableBatchNormalization"] * 3
+    assert fit["finite"] and all(np.isfinite(fit["loss"]))
+    assert fit["same_bits"]

@@ -1,4 +1,13 @@
-"""A warning, once per layer, when a float32 moving mean cannot follow the batch mean.
+"""Warnings of StableBatchNormalization about numerics it cannot fix itself (once per layer).
+
+1. check_autocast: Keras casts a layer's float32 inputs to a float16/bfloat16 compute
+dtype (mixed precision policies) before the layer sees them.  For an input BN on
+data N(1e6, 1) the bfloat16 values are all equal: the spread is gone before any
+statistic is computed.  The check is on dtypes, so it runs in every mode (also at
+trace time and when a functional model is built); the remedy is dtype="float32" on
+that layer (a policy is saved with the model; `autocast=False` would not be).
+
+2. check (stalls): a float32 moving mean that cannot follow the batch mean.
 
 moving_mean = moving_mean * momentum + mean * (1 - momentum) leaves a float32
 moving_mean unchanged when |mean - moving_mean| * (1 - momentum) is below half an ulp
@@ -19,6 +28,37 @@ a GPU): a TensorFlow XLA cluster cannot call back into Python.
 import warnings
 
 import numpy as np
+
+_WIDE = ("float32", "float64")
+_NARROW = ("float16", "bfloat16")
+
+
+def check_autocast(layer, inputs):
+    """Warn (once per layer) if Keras is about to cast float32 inputs to a 16-bit dtype."""
+    if getattr(layer, "_autocast_warned", False) or not layer.autocast:
+        return
+    dtype = getattr(inputs, "dtype", None)
+    if dtype is None:
+        return
+    import keras
+
+    source = keras.backend.standardize_dtype(dtype)
+    target = keras.backend.standardize_dtype(layer.compute_dtype)
+    if source not in _WIDE or target not in _NARROW:
+        return
+    layer._autocast_warned = True
+    warnings.warn(
+        f"StableBatchNormalization '{layer.name}': Keras casts its {source} inputs to "
+        f"{target} before the layer sees them (the dtype policy "
+        f"'{layer.dtype_policy.name}' autocasts inputs to the compute dtype), so the "
+        f"statistics are those of the {target} values: data with a large offset relative "
+        "to their spread lose the spread (N(1e6, 1) is constant in bfloat16).  To normalize "
+        f"the {source} values, pass dtype='float32' to this layer (its output is then "
+        "float32; the next layer casts it).",
+        UserWarning,
+        stacklevel=3,
+    )
+
 
 THRESHOLD = 0.1  # standard deviations of the normalized output
 
