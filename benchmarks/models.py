@@ -121,7 +121,7 @@ def speed_backend(name, size, batch, steps, modes):
                 keras.optimizers.SGD(0.01),
                 "sparse_categorical_crossentropy",
                 run_eagerly=mode == "eager",
-                jit_compile=mode == "jit_compile",
+                jit_compile=mode in ("jit_compile", "jit"),
             )
         for _ in range(steps + 1):  # alternate: load hits both alike
             for key, model in models.items():
