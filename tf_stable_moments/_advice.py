@@ -22,7 +22,10 @@ Where the check runs: TensorFlow eager (on the values), tf.function graphs witho
 XLA (a tf.cond that calls back into Python only when a channel stalls), JAX eager,
 and JAX jit (Keras fit on the JAX backend: a lax.cond whose taken branch is a
 jax.debug.callback).  Not in TensorFlow XLA (jit_compile=True, the Keras default on
-a GPU): a TensorFlow XLA cluster cannot call back into Python.
+a GPU): a TensorFlow XLA cluster cannot call back into Python.  In compiled code
+(tf.function, JAX jit) the check is added only when the computation runs on the
+CPU: on an accelerator its conditional would synchronize device and host at every
+step; there the check runs in eager calls only.
 """
 
 import warnings
@@ -104,6 +107,8 @@ def check(layer, moving_mean, mean, variance):
         if not any(isinstance(t, jax.core.Tracer) for t in values):
             _report(layer, *(np.asarray(t) for t in values))
             return
+        if jax.default_backend() != "cpu":  # a compiled cond would sync device and host
+            return
         magnitude = jnp.abs(moving_mean)
         ulp = jnp.nextafter(magnitude, jnp.inf) - magnitude
         distance = jnp.abs(mean - moving_mean)
@@ -122,8 +127,8 @@ def check(layer, moving_mean, mean, variance):
         return
     from tf_stable_moments._xla_context import in_xla_context
 
-    if in_xla_context():
-        return
+    if in_xla_context() or tf.config.list_logical_devices("GPU"):
+        return  # XLA cannot call back; on a GPU the cond would sync device and host each step
     magnitude = tf.abs(moving_mean)
     ulp = tf.math.nextafter(magnitude, tf.constant(np.inf, magnitude.dtype)) - magnitude
     distance = tf.abs(mean - moving_mean)
