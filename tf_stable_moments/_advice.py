@@ -55,7 +55,7 @@ def check_autocast(layer, inputs):
         f"{target} before the layer sees them (the dtype policy "
         f"'{layer.dtype_policy.name}' autocasts inputs to the compute dtype), so the "
         f"statistics are those of the {target} values: data with a large offset relative "
-        "to their spread lose the spread (N(1e6, 1) is constant in bfloat16).  To normalize "
+        "to their spread lose the spread (N(1e6, 1) is constant in bfloat16, inf in float16).  To normalize "
         f"the {source} values, pass dtype='float32' to this layer (its output is then "
         "float32; the next layer casts it).",
         UserWarning,
@@ -84,7 +84,7 @@ def _report(layer, moving_mean, mean, variance):
         f"batch mean (channel {c}: moving mean {moving_mean[c]:.9g}, batch mean "
         f"{mean[c]:.9g}): an update of |batch mean - moving mean| * (1 - momentum) = "
         f"{distance[c] * (1 - layer.momentum):.3g} is below half an ulp of the moving mean "
-        f"({ulp[c] / 2:.3g}) and is lost, so inference is off by up to "
+        f"({ulp[c] / 2:.3g}) and is lost, so inference on that channel is off by "
         f"{distance[c] / std[c]:.2g} standard deviations.  Pass compensated_moving_stats=True "
         "to StableBatchNormalization to keep the moving mean to double precision "
         "(tf_stable_moments.stabilize(model, compensated_moving_stats=True) for a whole model).",
