@@ -56,8 +56,8 @@ def check_autocast(layer, inputs):
         f"'{layer.dtype_policy.name}' autocasts inputs to the compute dtype), so the "
         f"statistics are those of the {target} values: data with a large offset relative "
         "to their spread lose the spread (N(1e6, 1) is constant in bfloat16, inf in "
-        f"float16).  To normalize the {source} values, pass dtype='float32' to this layer (its output is then "
-        "float32; the next layer casts it).",
+        f"float16).  To normalize the {source} values, pass dtype='float32' to this layer "
+        "(its output is then float32; the next layer casts it).",
         UserWarning,
         stacklevel=3,
     )
