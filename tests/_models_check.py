@@ -9,7 +9,8 @@ TensorFlow backend).  Prints one line "RESULT {json}":
     `import tf_stable_moments` / by training and inference calls of the layer;
   loaded_type: the class of the saved layer once the package is imported;
   fit: a stem of keras.applications.MobileNet, every BN swapped, one epoch of fit with a
-    partial last batch (jit), then predictions before and after save/load.
+    partial last batch (jit), then predictions before and after save/load, and whether
+    the original model still runs (stabilize copies the weights).
 """
 
 import json
@@ -50,7 +51,8 @@ def main(saved, out_dir):
     stem = keras.Model(base.input, base.get_layer("conv_pw_1_relu").output)
     inputs = keras.Input((32, 32, 3))
     h = keras.layers.GlobalAveragePooling2D()(stem(inputs))
-    model = tf_stable_moments.stabilize(keras.Model(inputs, keras.layers.Dense(4)(h)))
+    original = keras.Model(inputs, keras.layers.Dense(4)(h))
+    model = tf_stable_moments.stabilize(original)
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(1)
     xs = rng.normal(size=(12, 32, 32, 3)).astype(np.float32)
@@ -65,7 +67,10 @@ def main(saved, out_dir):
     model.save(path)
     before = np.asarray(model.predict(xs[:8], batch_size=8, verbose=0))
     after = np.asarray(keras.saving.load_model(path).predict(xs[:8], batch_size=8, verbose=0))
+    # fit donates the swapped model's buffers: the original's must be its own (a copy).
+    original_prediction = np.asarray(original.predict(xs[:8], verbose=0))
     result["fit"] = {
+        "original_still_runs": bool(np.all(np.isfinite(original_prediction))),
         "loss": [float(v) for v in history.history["loss"]],
         "bn_classes": swapped,
         "same_bits": bool(np.array_equal(before.view(np.uint32), after.view(np.uint32))),

@@ -390,3 +390,4 @@ def test_jax_backend_fit_partial_last_batch_and_reload(jax_result):
     assert fit["bn_classes"] == ["StableBatchNormalization"] * 3
     assert fit["finite"] and all(np.isfinite(fit["loss"]))
     assert fit["same_bits"]
+    assert fit["original_still_runs"]  # stabilize copied the weights (fit donates buffers)

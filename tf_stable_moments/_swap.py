@@ -38,7 +38,8 @@ def _copy_weights(old, new):
             f"{[v.name for v in src]}) into its replacement ({[v.name for v in dst]})"
         )
     for source, target in zip(src, dst):
-        target.assign(source)
+        # A copy: on JAX, assign would share the buffer, which fit then donates (deletes).
+        target.assign(keras.ops.convert_to_numpy(source))
 
 
 def stabilize(model, *, compensated_moving_stats=False):
