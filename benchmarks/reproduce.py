@@ -13,7 +13,10 @@ The note is ``shared/seeds/001_0145c5a79a34801b.txt``.  This script prints and s
 2. the variance of three identical values (exact value 0);
 3. its Section 4: the ablation of the note's kernel, one step at a time, with the speed
    ratio to the formula of reference on a [4096, 4096] array under jax.jit;
-4. a sweep of the data offset from 1 to 1e38, plotted to ``<out>/offset_sweep.png``.
+4. two sweeps of the data offset, plotted to ``<out>/offset_sweep.png``: at a fixed spread
+   (N(offset, 1), offsets 1 to 1e7: the cancellation grows with the offset, the top panel)
+   and at a fixed relative spread (N(offset, (offset * 2**-10)**2), offsets 1 to 1e38:
+   range effects only, the bottom panel).
 
 All numbers and the environment go to ``<out>/results.json``.
 
@@ -72,6 +75,11 @@ FLT_HALF_ULP = 2.0**-24  # half an ulp of 1, the bound of a correctly rounded re
 PLOT_FLOOR = 1e-10  # where a zero error is drawn on the log axis
 PLOT_CEILING = 1e3  # where an error of at least 1e3, inf or nan is drawn
 RELATIVE_SPREAD = 2.0**-10  # of the data of the offset sweep (see offset_sweep)
+FIXED_SPREAD = 1.0  # the standard deviation of the data of the fixed-spread sweep
+# keras.layers.BatchNormalization takes its batch statistics from keras.ops.moments, which
+# is tf.nn.moments on the TensorFlow backend and jnp.mean / jnp.var on the JAX backend
+# (keras/src/backend/{tensorflow,jax}/nn.py): those rows are keras BN's variance.
+KERAS_BN_NOTE = {"tf.nn.moments": "keras BN, TF backend", "jnp.var": "keras BN, JAX backend"}
 
 # ---------------------------------------------------------------- the note's numbers (CPU)
 # Section 3, CPU table: maximum relative error against numpy.var in float64.
@@ -480,14 +488,38 @@ def offset_sweep(impls, offsets, shape):
     return points
 
 
-def plot_sweep(points, impls, shape, path):
-    """Log-log plot of the sweep: one colour per implementation, jit dashed."""
+def fixed_spread_sweep(impls, offsets, shape):
+    """Accuracy of the variance of N(offset, FIXED_SPREAD**2) data, per offset.
+
+    The spread is fixed, so the condition of the variance (offset / spread) grows with the
+    offset: this is the loss of digits of D1-D4, swept.  Float32 data at offset 1e7 are
+    integers: the data are what they are after rounding, and their exact variance is the
+    reference (beyond 2**26 all values round to the offset and every method returns 0).
+    The same standard normal draws at every offset.
+    """
+    z = np.random.default_rng(3).standard_normal(shape)
+    points = []
+    for offset in offsets:
+        x = (offset + FIXED_SPREAD * z).astype(np.float32)
+        exact = exact_variances(x, 0)
+        point = {"offset": float(offset)}
+        for impl in impls:
+            for mode in NOTE_MODES:
+                point[f"{impl.key}/{mode}"] = accuracy(impl.modes[mode](x, 0), exact)
+        points.append(point)
+    return points
+
+
+def _label(impl, mode):
+    note = KERAS_BN_NOTE.get(impl.key)
+    return f"{impl.key} {mode}" + (f" (= {note})" if note else "")
+
+
+def _draw(ax, points, impls, metric):
     offsets = [p["offset"] for p in points]
-    fig, ax = plt.subplots(figsize=(10, 6))
     for i, impl in enumerate(impls):
         for mode, style in (("eager", "-"), ("jit", "--")):
-            err = [p[f"{impl.key}/{mode}"]["max_rel_err"] for p in points]
-            err = np.clip(err, PLOT_FLOOR, PLOT_CEILING)
+            err = np.clip([p[f"{impl.key}/{mode}"][metric] for p in points], *_CLIP[metric])
             ax.plot(
                 offsets,
                 err,
@@ -496,8 +528,40 @@ def plot_sweep(points, impls, shape, path):
                 marker="os^vDxP+"[i % 8],
                 markersize=4,
                 fillstyle="none",
-                label=f"{impl.key} {mode}",
+                label=_label(impl, mode),
             )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    return offsets
+
+
+_CLIP = {"max_rel_err": (PLOT_FLOOR, PLOT_CEILING), "max_ulp_err": (1e-2, 1e8)}
+
+
+def plot_sweep(points, impls, shape, path, fixed_points=None):
+    """Log-log plots of the sweeps: one colour per implementation, jit dashed.
+
+    Top (when fixed_points): max ulp error at a fixed spread; bottom: max relative error at
+    a fixed relative spread.
+    """
+    rows = 2 if fixed_points else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 6 * rows), squeeze=False)
+    if fixed_points:
+        ax = axes[0, 0]
+        offsets = _draw(ax, fixed_points, impls, "max_ulp_err")
+        ax.axhline(0.5, color="k", lw=0.8)
+        ax.text(offsets[0], 0.55, "half an ulp: correctly rounded", fontsize=8)
+        ax.text(offsets[0], 1.3e-2, "floor: error 0 plotted at 1e-2", fontsize=8)
+        ax.set_ylim(*(v * f for v, f in zip(_CLIP["max_ulp_err"], (0.5, 2))))
+        ax.set_xlabel(
+            f"offset (data N(offset, {FIXED_SPREAD:g}), float32, {list(shape)}, axis 0; "
+            "ceiling 1e8 ulp)"
+        )
+        ax.set_ylabel("maximum ulp error of the variance")
+        ax.set_title("Fixed spread: variance error vs data offset (CPU; solid eager, dashed jit)")
+        ax.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax = axes[-1, 0]
+    offsets = _draw(ax, points, impls, "max_rel_err")
     overflow = np.sqrt(float(np.finfo(np.float32).max)) / RELATIVE_SPREAD
     ax.axvspan(overflow, max(offsets), color="0.9", zorder=0)
     ax.text(
@@ -512,18 +576,17 @@ def plot_sweep(points, impls, shape, path):
     ax.text(offsets[0], PLOT_FLOOR * 1.5, "floor: error 0 plotted at 1e-10", fontsize=8)
     ax.axhline(PLOT_CEILING, color="0.5", lw=0.8, ls=":")
     ax.text(offsets[0], PLOT_CEILING / 3, "ceiling: >= 1e3, inf or nan plotted at 1e3", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
     ax.set_ylim(PLOT_FLOOR / 3, PLOT_CEILING * 3)
     ax.set_xlabel(
         f"offset (data N(offset, (offset * 2^{np.log2(RELATIVE_SPREAD):.0f})^2), float32, "
         f"{list(shape)}, axis 0)"
     )
     ax.set_ylabel("maximum relative error of the variance")
-    ax.set_title("Variance error vs data offset (CPU; solid eager, dashed jit)")
-    ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("Relative spread: variance error vs data offset (CPU; solid eager, dashed jit)")
+    if not fixed_points:
+        ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -660,19 +723,21 @@ def report_ablation(records, shape):
         print(f"  {r['impl']}: {r['label']}")
 
 
-def report_sweep(points, impls):
-    """Print the sweep as one row per offset."""
+def report_sweep(points, impls, fixed=False):
+    """Print a sweep as one row per offset."""
     keys = [f"{impl.key}/{mode}" for impl in impls for mode in NOTE_MODES]
+    metric = "max_ulp_err" if fixed else "max_rel_err"
     table = [
-        [f"{p['offset']:.0e}" + (" *" if p["exact_overflows"] else "")]
-        + [f"{p[k]['max_rel_err']:.2g}" for k in keys]
+        [f"{p['offset']:.0e}" + (" *" if p.get("exact_overflows") else "")]
+        + [f"{p[k][metric]:.2g}" for k in keys]
         for p in points
     ]
-    print_table(
-        "Offset sweep: max relative error (* exact variance overflows float32; inf is right)",
-        ["offset"] + keys,
-        table,
+    title = (
+        f"Fixed-spread sweep, N(offset, {FIXED_SPREAD:g}): max ulp error"
+        if fixed
+        else "Offset sweep: max relative error (* exact variance overflows float32; inf is right)"
     )
+    print_table(title, ["offset"] + keys, table)
 
 
 def main(argv=None):
@@ -725,7 +790,10 @@ def main(argv=None):
     sweep_shape = datasets["D1"][0].shape  # the programs compiled for D1 are reused
     points = offset_sweep(impls, offsets, sweep_shape)
     report_sweep(points, impls)
-    plot_sweep(points, impls, sweep_shape, out / "offset_sweep.png")
+    fixed_offsets = np.logspace(0, 6, 4) if args.quick else np.logspace(0, 7, 29)
+    fixed_points = fixed_spread_sweep(impls, fixed_offsets, sweep_shape)
+    report_sweep(fixed_points, impls, fixed=True)
+    plot_sweep(points, impls, sweep_shape, out / "offset_sweep.png", fixed_points)
     seconds["offset_sweep"] = time.perf_counter() - start - sum(seconds.values())
 
     results = {
@@ -745,6 +813,13 @@ def main(argv=None):
             "shape": list(sweep_shape),
             "axis": 0,
             "points": points,
+        },
+        "fixed_spread_sweep": {
+            "spread": FIXED_SPREAD,
+            "shape": list(sweep_shape),
+            "axis": 0,
+            "keras_bn": KERAS_BN_NOTE,
+            "points": fixed_points,
         },
         "note": {
             "section3_cpu": {

@@ -95,3 +95,23 @@ def test_note_kernel_variants_compute_the_variance(steps):
     if steps.shift:
         z = np.full((2, 5), 7.5e10 + 7.5e10j, np.complex64)
         assert np.all(np.asarray(_note_kernel.variance(z, 1, steps)) == 0)
+
+
+def test_fixed_spread_sweep_shows_who_breaks(results):
+    """N(offset, 1): ours within half an ulp at every offset; tf.nn.moments (keras BN on the
+    TensorFlow backend) and jnp.var (keras BN on JAX) lose digits as the offset grows."""
+    sweep = results["fixed_spread_sweep"]
+    assert sweep["spread"] == 1.0 and len(sweep["points"]) >= 3
+    assert sweep["keras_bn"] == {
+        "tf.nn.moments": "keras BN, TF backend",
+        "jnp.var": "keras BN, JAX backend",
+    }
+    ours = [k for k in sweep["points"][0] if k.split("/")[0] in OURS]
+    assert ours
+    for point in sweep["points"]:
+        for key in ours:
+            assert point[key]["max_ulp_err"] <= 0.5, (point["offset"], key)
+    for theirs in ("tf.nn.moments", "jnp.var"):
+        for mode in ("eager", "jit"):
+            worst = max(p[f"{theirs}/{mode}"]["max_ulp_err"] for p in sweep["points"])
+            assert worst > 1e3, (theirs, mode, worst)

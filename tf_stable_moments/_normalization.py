@@ -40,12 +40,10 @@ import math
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras.src.layers.preprocessing.normalization import _extract_batch
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 
 from tf_stable_moments._layer_norm import _check_backend
-from tf_stable_moments._state import merge_states, moments_state, state_moments
 
 _STANDARD_WEIGHTS = 3  # keras's mean, variance, count
 # adapt() joins consecutive batches (along the batch axis, when it is reduced) into chunks of
@@ -56,6 +54,8 @@ _CHUNK_ELEMENTS = 2**16
 
 def _input_shape_and_batches(data):
     """(input_shape, iterable of batches) for the data types of keras's adapt()."""
+    import tensorflow as tf  # adapt() runs on TensorFlow (the class itself needs none)
+
     if isinstance(data, np.ndarray) or keras.ops.is_tensor(data) or tf.is_tensor(data):
         return tuple(data.shape), [data]
     if isinstance(data, tf.data.Dataset):
@@ -201,6 +201,8 @@ class StableNormalization(keras.layers.Normalization):
             return keras.ops.convert_to_tensor(value)
         # An eager tensor even when built inside a tf.function: graphs capture it as an input,
         # so grappler cannot fold (x - mean) - mean_lo into x - fl32(mean + mean_lo).
+        import tensorflow as tf
+
         with tf.init_scope():
             return tf.constant(value)
 
@@ -252,6 +254,10 @@ class StableNormalization(keras.layers.Normalization):
                         "but adapt() is being called with data with "
                         f"an incompatible shape, data.shape={input_shape}"
                     )
+        import tensorflow as tf
+
+        from tf_stable_moments._state import merge_states, moments_state, state_moments
+
         work = tf.as_dtype(self._work_dtype)
         states = None
         count = 0

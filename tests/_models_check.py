@@ -1,0 +1,83 @@
+"""The JAX-backend part of tests/test_models.py, in its own process.
+
+Usage: KERAS_BACKEND=jax python tests/_models_check.py SAVED.keras OUT_DIR
+
+SAVED.keras holds a model with StableBatchNormalization (written by the test on the
+TensorFlow backend).  Prints one line "RESULT {json}":
+  load_error: the message of keras.saving.load_model(SAVED) before the package is imported;
+  tensorflow_after_import / tensorflow_after_layer: whether TensorFlow was imported by
+    `import tf_stable_moments` / by training and inference calls of the layer;
+  loaded_type: the class of the saved layer once the package is imported;
+  fit: a stem of keras.applications.MobileNet, every BN swapped, one epoch of fit with a
+    partial last batch (jit), then predictions before and after save/load, and whether
+    the original model still runs (stabilize copies the weights).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import keras  # noqa: E402
+
+
+def main(saved, out_dir):
+    result = {}
+    try:
+        keras.saving.load_model(saved)
+        result["load_error"] = None
+    except Exception as error:  # noqa: BLE001  (the message is the result)
+        result["load_error"] = f"{type(error).__name__}: {error}"
+
+    import tf_stable_moments
+
+    result["tensorflow_after_import"] = "tensorflow" in sys.modules
+    layer = tf_stable_moments.StableBatchNormalization()
+    x = np.random.default_rng(0).normal(1e6, 1.0, (32, 4)).astype(np.float32)
+    layer(x, training=True)
+    layer(x, training=False)
+    result["tensorflow_after_layer"] = "tensorflow" in sys.modules
+
+    loaded = keras.saving.load_model(saved)
+    result["loaded_type"] = type(loaded.layers[-1]).__qualname__
+
+    keras.utils.set_random_seed(0)
+    base = keras.applications.MobileNet(
+        weights=None, input_shape=(32, 32, 3), alpha=0.25, classes=4
+    )
+    stem = keras.Model(base.input, base.get_layer("conv_pw_1_relu").output)
+    inputs = keras.Input((32, 32, 3))
+    h = keras.layers.GlobalAveragePooling2D()(stem(inputs))
+    original = keras.Model(inputs, keras.layers.Dense(4)(h))
+    model = tf_stable_moments.stabilize(original)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(1)
+    xs = rng.normal(size=(12, 32, 32, 3)).astype(np.float32)
+    ys = np.arange(12) % 4
+    history = model.fit(xs, ys, batch_size=8, epochs=1, verbose=0)  # batches of 8 and 4
+    swapped = [
+        type(layer).__qualname__
+        for layer in model._flatten_layers()
+        if isinstance(layer, keras.layers.BatchNormalization)
+    ]
+    path = str(Path(out_dir) / "jax_model.keras")
+    model.save(path)
+    before = np.asarray(model.predict(xs[:8], batch_size=8, verbose=0))
+    after = np.asarray(keras.saving.load_model(path).predict(xs[:8], batch_size=8, verbose=0))
+    # fit donates the swapped model's buffers: the original's must be its own (a copy).
+    original_prediction = np.asarray(original.predict(xs[:8], verbose=0))
+    result["fit"] = {
+        "original_still_runs": bool(np.all(np.isfinite(original_prediction))),
+        "loss": [float(v) for v in history.history["loss"]],
+        "bn_classes": swapped,
+        "same_bits": bool(np.array_equal(before.view(np.uint32), after.view(np.uint32))),
+        "finite": bool(np.all(np.isfinite(before))),
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

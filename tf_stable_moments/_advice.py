@@ -1,0 +1,146 @@
+"""Warnings of StableBatchNormalization about numerics it cannot fix itself (once per layer).
+
+1. check_autocast: Keras casts a layer's float32 inputs to a float16/bfloat16 compute
+dtype (mixed precision policies) before the layer sees them.  For an input BN on
+data N(1e6, 1) the bfloat16 values are all equal: the spread is gone before any
+statistic is computed.  The check is on dtypes, so it runs in every mode (also at
+trace time and when a functional model is built); the remedy is dtype="float32" on
+that layer (a policy is saved with the model; `autocast=False` would not be).
+
+2. check (stalls): a float32 moving mean that cannot follow the batch mean.
+
+moving_mean = moving_mean * momentum + mean * (1 - momentum) leaves a float32
+moving_mean unchanged when |mean - moving_mean| * (1 - momentum) is below half an ulp
+of moving_mean (0.03125 at 1e6): with momentum 0.99 the moving mean then stops up to
+ulp(moving_mean) / (2 * (1 - momentum)) away from the data mean (3.1 at 1e6) and
+inference is off by as much.  The layer warns when that happens to a channel whose
+batch mean is more than 0.1 standard deviations (sqrt(var + epsilon)) away, i.e.
+when the stall shifts the normalized output by more than 0.1: without this second
+condition data at offset 100 with unit spread would warn for harmless 1e-4 stalls.
+
+Where the check runs: TensorFlow eager (on the values), tf.function graphs without
+XLA (a tf.cond that calls back into Python only when a channel stalls), JAX eager,
+and JAX jit (Keras fit on the JAX backend: a lax.cond whose taken branch is a
+jax.debug.callback).  Not in TensorFlow XLA (jit_compile=True, the Keras default on
+a GPU): a TensorFlow XLA cluster cannot call back into Python.  In compiled code
+(tf.function, JAX jit) the check is added only when the computation runs on the
+CPU: on an accelerator its conditional would synchronize device and host at every
+step; there the check runs in eager calls only.
+"""
+
+import warnings
+
+import numpy as np
+
+_WIDE = ("float32", "float64")
+_NARROW = ("float16", "bfloat16")
+
+
+def check_autocast(layer, inputs):
+    """Warn (once per layer) if Keras is about to cast float32 inputs to a 16-bit dtype."""
+    if getattr(layer, "_autocast_warned", False) or not layer.autocast:
+        return
+    dtype = getattr(inputs, "dtype", None)
+    if dtype is None:
+        return
+    import keras
+
+    source = keras.backend.standardize_dtype(dtype)
+    target = keras.backend.standardize_dtype(layer.compute_dtype)
+    if source not in _WIDE or target not in _NARROW:
+        return
+    layer._autocast_warned = True
+    warnings.warn(
+        f"StableBatchNormalization '{layer.name}': Keras casts its {source} inputs to "
+        f"{target} before the layer sees them (the dtype policy "
+        f"'{layer.dtype_policy.name}' autocasts inputs to the compute dtype), so the "
+        f"statistics are those of the {target} values: data with a large offset relative "
+        "to their spread lose the spread (N(1e6, 1) is constant in bfloat16, inf in "
+        f"float16).  To normalize the {source} values, pass dtype='float32' to this layer "
+        "(its output is then float32; the next layer casts it).",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+THRESHOLD = 0.1  # standard deviations of the normalized output
+
+
+def _report(layer, moving_mean, mean, variance):
+    """Warn (once per layer) if a channel stalls; numpy inputs."""
+    if getattr(layer, "_stall_warned", False):
+        return
+    ulp = np.spacing(np.abs(moving_mean)).astype(np.float64)
+    moving_mean, mean, variance = (np.asarray(a, np.float64) for a in (moving_mean, mean, variance))
+    distance = np.abs(mean - moving_mean)
+    std = np.sqrt(variance + layer.epsilon)
+    stalled = (distance * (1 - layer.momentum) < ulp / 2) & (distance > THRESHOLD * std)
+    if not np.any(stalled):
+        return
+    layer._stall_warned = True
+    c = int(np.argmax(np.where(stalled, distance / std, -1)))
+    warnings.warn(
+        f"StableBatchNormalization '{layer.name}': the float32 moving mean cannot follow the "
+        f"batch mean (channel {c}: moving mean {moving_mean[c]:.9g}, batch mean "
+        f"{mean[c]:.9g}): an update of |batch mean - moving mean| * (1 - momentum) = "
+        f"{distance[c] * (1 - layer.momentum):.3g} is below half an ulp of the moving mean "
+        f"({ulp[c] / 2:.3g}) and is lost, so inference on that channel is off by "
+        f"{distance[c] / std[c]:.2g} standard deviations.  Pass compensated_moving_stats=True "
+        "to StableBatchNormalization to keep the moving mean to double precision "
+        "(tf_stable_moments.stabilize(model, compensated_moving_stats=True) for a whole model).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def check(layer, moving_mean, mean, variance):
+    """Called by the layer before each uncompensated moving-mean update."""
+    if getattr(layer, "_stall_warned", False):
+        return
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        values = (moving_mean, mean, variance)
+        if not any(isinstance(t, jax.core.Tracer) for t in values):
+            _report(layer, *(np.asarray(t) for t in values))
+            return
+        if jax.default_backend() != "cpu":  # a compiled cond would sync device and host
+            return
+        magnitude = jnp.abs(moving_mean)
+        ulp = jnp.nextafter(magnitude, jnp.inf) - magnitude
+        distance = jnp.abs(mean - moving_mean)
+        std = jnp.sqrt(variance + layer.epsilon)
+        stalled = (distance * (1 - layer.momentum) < ulp / 2) & (distance > THRESHOLD * std)
+
+        def warn(*arrays):
+            _report(layer, *(np.asarray(a) for a in arrays))
+
+        jax.lax.cond(jnp.any(stalled), lambda: jax.debug.callback(warn, *values), lambda: None)
+        return
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        _report(layer, *(t.numpy() for t in (moving_mean, mean, variance)))
+        return
+    from tf_stable_moments._xla_context import in_xla_context
+
+    if in_xla_context() or tf.config.list_logical_devices("GPU"):
+        return  # XLA cannot call back; on a GPU the cond would sync device and host each step
+    magnitude = tf.abs(moving_mean)
+    ulp = tf.math.nextafter(magnitude, tf.constant(np.inf, magnitude.dtype)) - magnitude
+    distance = tf.abs(mean - moving_mean)
+    std = tf.sqrt(variance + layer.epsilon)
+    stalled = (distance * (1 - layer.momentum) < ulp / 2) & (distance > THRESHOLD * std)
+
+    def warn(*values):
+        _report(layer, *(v.numpy() for v in values))
+        return True
+
+    tf.cond(
+        tf.reduce_any(stalled),
+        lambda: tf.py_function(warn, [moving_mean, mean, variance], tf.bool),
+        lambda: tf.constant(False),
+    )
