@@ -21,7 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras  # noqa: E402
 
-from tf_stable_moments import StableGroupNormalization, StableLayerNormalization  # noqa: E402
+from tf_stable_moments import (  # noqa: E402
+    StableGroupNormalization,
+    StableLayerNormalization,
+    StableNormalization,
+)
 
 GROUPS = 8  # of the 32 channels of inputs["x_gn"]
 
@@ -94,7 +98,32 @@ def eager_results(inputs):
     }
     for name, (cls, x, kwargs) in variants.items():
         out[name] = _numpy(cls(**kwargs)(x))
+    out.update(normalization_results())
     return out
+
+
+def normalization_data():
+    """Features at offsets 1e6 and 1e7 (float32 [3001, 4]), for StableNormalization."""
+    rng = np.random.default_rng(12)
+    offsets = np.array([1e6, -1e6, 1e7, 3.0])
+    return (offsets + rng.standard_normal((3001, 4))).astype(np.float32)
+
+
+def normalization_results():
+    """StableNormalization adapted in batches of 1000 (numpy), then called; invert too."""
+    x = normalization_data()
+    norm = StableNormalization(axis=-1)
+    norm.adapt([x[i : i + 1000] for i in range(0, len(x), 1000)])  # batches of 1000 and 1
+    invert = StableNormalization(axis=-1, invert=True)
+    invert.adapt(x)
+    y = _numpy(norm(x))
+    return {
+        "norm": y,
+        "norm_weights": np.concatenate(
+            [_numpy(w).astype(np.float32).ravel() for w in norm.weights]
+        ),
+        "norm_invert": _numpy(invert(y)),
+    }
 
 
 def _gradients(layer, x, g):

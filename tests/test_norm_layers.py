@@ -242,7 +242,29 @@ def backend_outputs(tmp_path_factory):
     return outputs
 
 
-BITWISE = ("ln", "gn", "ln_axes_12", "ln_rms_scaling", "gn_channels_first")
+BITWISE = (
+    "ln",
+    "gn",
+    "ln_axes_12",
+    "ln_rms_scaling",
+    "gn_channels_first",
+    "norm",
+    "norm_weights",
+    "norm_invert",
+)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_normalization_adapted_output_matches_float64_on_both_backends(backend_outputs, backend):
+    """StableNormalization adapted in batches: output within 1e-5 of float64 at 1e6 and 1e7,
+    and invert(output) back at the data to within the float32 ulp of the offset."""
+    x = check.normalization_data()
+    x64 = x.astype(np.float64)
+    want = (x64 - x64.mean(0)) / np.sqrt(x64.var(0))
+    out = backend_outputs[backend]
+    assert np.max(np.abs(out["norm"] - want)) < 1e-5
+    ulp = np.spacing(np.abs(x).max(0))
+    assert np.all(np.abs(out["norm_invert"] - x).max(0) <= 2 * ulp)
 
 
 @pytest.mark.parametrize("entry", BITWISE)

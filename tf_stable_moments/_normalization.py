@@ -331,7 +331,9 @@ class StableNormalization(keras.layers.Normalization):
             y = np_ops.subtract(x, mean)
             if lo is not None:
                 y = np_ops.subtract(y, lo)
-            y = np_ops.divide(y, scale)
+            # times a per-feature reciprocal, not an element-wise division: XLA's CPU
+            # division is not IEEE, so divide() differs by an ulp between the backends
+            y = np_ops.multiply(y, np_ops.divide(1.0, scale))
         return self.backend.core.cast(y, self.compute_dtype)
 
     def get_config(self):

@@ -118,6 +118,11 @@ def main(argv=None):
     else:
         data = {**design_note_datasets(), **identical_datasets()}
     print(format_rows(report_rows(data)))
+    if not args.input:
+        from tf_stable_moments import _report_layers
+
+        print()
+        print(_report_layers.format_layer_rows(_report_layers.layer_rows()))
     return 0
 
 
