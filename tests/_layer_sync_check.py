@@ -41,7 +41,7 @@ def _step(layer, x, mask, loss_weights):
     return y, tape.gradient(loss, x)
 
 
-def run(masked):
+def run(strategy, masked):
     rng = np.random.default_rng(30)
     x = rng.normal(1e6, 1, size=(16, 4)).astype(np.float32)
     mask = rng.random(16) < 0.7 if masked else None
@@ -53,7 +53,6 @@ def run(masked):
     out["single_y"], out["single_grad"] = y.numpy(), grad.numpy()
     out["single_moving"] = np.stack([single.moving_mean.numpy(), single.moving_variance.numpy()])
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         replicated = _layer()
 
@@ -65,7 +64,8 @@ def run(masked):
         strategy.experimental_distribute_values_from_function(lambda c, a=a: part(a, c))
         for a in (x, mask, loss_weights)
     ]
-    per_replica = strategy.run(tf.function(lambda *a: _step(replicated, *a)), args)
+    step = tf.function(lambda *a: strategy.run(lambda *b: _step(replicated, *b), a))
+    per_replica = step(*args)
     y, grad = (
         np.concatenate([v.numpy() for v in strategy.experimental_local_results(t)])
         for t in per_replica
@@ -74,12 +74,27 @@ def run(masked):
     out["sync_moving"] = np.stack(
         [replicated.moving_mean.numpy(), replicated.moving_variance.numpy()]
     )
+    out["collectives"] = _collectives(step.get_concrete_function(*args).graph)
     return out
 
 
+def _collectives(graph):
+    """[(op kind, dtype itemsize, elements)] of replica 0's collectives in the step's graph."""
+    rows = []
+    for op in graph.get_operations():
+        if op.type.startswith("Collective") and op.device.endswith("CPU:0"):
+            kind = 0 if "Reduce" in op.type else 1
+            shape = op.inputs[0].shape
+            rows.append((kind, op.inputs[0].dtype.size, shape.num_elements()))
+    return np.array(rows, np.int64).reshape(-1, 3)
+
+
 if __name__ == "__main__":
+    # One strategy for both runs: a second MirroredStrategy in the same process restarts
+    # its collective instance keys, and the runtime would pair them with the first one's.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     results = {}
     for masked in (False, True):
-        for key, value in run(masked).items():
+        for key, value in run(strategy, masked).items():
             results[f"{'masked' if masked else 'plain'}_{key}"] = value
     np.savez(sys.argv[1], **results)
