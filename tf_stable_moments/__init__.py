@@ -8,7 +8,13 @@ from tf_stable_moments._layer import StableBatchNormalization
 from tf_stable_moments._layer_norm import StableLayerNormalization
 from tf_stable_moments._moments import moments
 from tf_stable_moments._normalization import StableNormalization
-from tf_stable_moments._state import MomentsState, merge_states, moments_state, state_moments
+from tf_stable_moments._state import (
+    MomentsState,
+    accumulate_state,
+    merge_states,
+    moments_state,
+    state_moments,
+)
 
 __all__ = [
     "MomentsState",
@@ -16,6 +22,7 @@ __all__ = [
     "StableGroupNormalization",
     "StableLayerNormalization",
     "StableNormalization",
+    "accumulate_state",
     "keras_moments",
     "merge_states",
     "moments",
