@@ -14,8 +14,9 @@ one training step (forward and input/weight gradients of sum(y * w)) on a global
 batch of replicas x rows N(1e6, 1) float32 rows of `channels` channels is timed
 (median of `steps` after a warm-up step), with:
 
-  * peak memory: the rise of the process's peak resident set (VmHWM, reset after
-    the warm-up) above its resident set before the timed steps, in MiB;
+  * peak memory: the peak of TensorFlow's CPU allocator (the BFC allocator, shared by
+    the logical devices, so all replicas together) during the timed steps above its
+    level before them, in MiB;
   * bytes communicated per replica and step, from the tensor sizes of the
     collectives in the step's graph (replica 0): an all-reduce counts its input
     once, an all-gather its gathered output (what a replica receives);
@@ -36,36 +37,37 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("state", "gather", "keras")
 REPLICAS = (2, 4, 8)
 
 
-def _rss_kib(field):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+def _collective_bytes(graph, replicas, rows, channels):
+    """Bytes of replica 0's collectives: an all-reduce's input, an all-gather's output.
 
-
-def _reset_peak():
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := VmRSS
-
-
-def _collective_bytes(graph):
+    Shapes come from the graph.  Only the all_gather path has collectives of unknown
+    shape: its gather of the (flattened) batch and, in the gradient, the all-reduce of
+    the flattened gradient of the gathered batch; both carry replicas * rows * channels
+    elements (tf.distribute's all_gather first gathers the shapes: [1, rank] int32).
+    """
     total = 0
     for op in graph.get_operations():
         if not (op.type.startswith("Collective") and op.device.endswith("CPU:0")):
             continue
-        tensor = op.outputs[0] if "Gather" in op.type else op.inputs[0]
-        total += tensor.shape.num_elements() * tensor.dtype.size
+        tensor = op.inputs[0]
+        elements = tensor.shape.num_elements()
+        if elements is None:
+            elements = replicas * rows * channels
+        elif "Gather" in op.type:
+            elements *= replicas
+        total += elements * tensor.dtype.size
     return total
 
 
 def _exact_output(x):
     """(x - mean) / sqrt(var + eps) per channel, from the exact mean and variance (float64)."""
-    import numpy as np
-
     from tf_stable_moments._oracle import exact_value
 
     exact = [exact_value(column, x.dtype) for column in x.T]
@@ -74,7 +76,6 @@ def _exact_output(x):
 
 
 def run_one(replicas, layer_kind, rows, channels, steps):
-    import numpy as np
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -120,20 +121,21 @@ def run_one(replicas, layer_kind, rows, channels, steps):
     error = float(np.abs(y - _exact_output(x)).max())
 
     times = []
-    _reset_peak()
-    base = _rss_kib("VmRSS")
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     for _ in range(steps):
         start = time.perf_counter()
         out = step(*args)
         tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(out))
         times.append(time.perf_counter() - start)
-    peak = (_rss_kib("VmHWM") - base) / 1024
+        del out
+    peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20
     return {
         "replicas": replicas,
         "layer": layer_kind,
         "step_ms": 1e3 * float(np.median(times)),
         "peak_mib": peak,
-        "bytes": _collective_bytes(graph),
+        "bytes": _collective_bytes(graph, replicas, rows, channels),
         "error": error,
     }
 
@@ -149,7 +151,8 @@ def main():
         result = run_one(int(args.one[0]), args.one[1], args.rows, args.channels, args.steps)
         print("RESULT " + json.dumps(result))
         return
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    # The BFC allocator on the CPU keeps the allocation statistics read for the peak.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
     results = []
     for replicas in REPLICAS:
         for kind in LAYERS:
