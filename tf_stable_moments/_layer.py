@@ -165,11 +165,12 @@ def _synchronized_centre(context, x, w, axes):
     whose sums stay below 2**53: exact in any order).  Collectives per call, every
     replica issuing the same ones with the same shapes in the same order:
     forward, unmasked: the state, then the mean_lo sums; masked: two states (the
-    selected counts ride in the first); backward: one of [2, channels].
+    selected counts ride in the first); backward: one of [3, channels].
 
-    Gradient (first order only: the residual the rule uses is not differentiable
-    again): with g = all-reduce SUM of (mean_bar - sum(r_bar), var_bar) over the
-    replicas, x_bar = r_bar + (w / k) * (g_0 + 2 g_1 r), k the global count.  This
+    Gradient: with g = all-reduce SUM of (mean_bar - sum(r_bar), var_bar) over the
+    replicas, x_bar = r_bar + (w / k) * (g_0 + 2 g_1 r), k the global count; r is
+    made differentiable as x - (global mean) as in the single-device rule (its sum
+    of w t rides in the same all-reduce), so higher orders are right too.  This
     is the x_bar of the global batch; only the order of the float32 sums differs
     (sum(r_bar) per replica, then across replicas; mean_bar and var_bar, one per
     replica's loss, summed across replicas).
@@ -184,8 +185,15 @@ def _synchronized_centre(context, x, w, axes):
         r, var, mean_hi, mean_lo, k = _global_centre(all_sum, tf.stop_gradient(x), w, axes)
 
         def grad(r_bar, var_bar, mean_bar, _):
-            g = all_sum(tf.stack([mean_bar - tf.reduce_sum(r_bar, axis=axes), var_bar]))
-            x_bar = _expand(g[0] / k, axes) + _expand(2 * g[1] / k, axes) * r
+            # t = x - stop_gradient(x) = 0 makes r differentiable as x - (global mean) for
+            # higher orders (as in the single-device rule); sum(w t) rides in the same
+            # all-reduce, whose own gradient is an all-reduce SUM.
+            t = x - tf.stop_gradient(x)
+            w_t = t if w is None else tf.where(w, t, tf.zeros_like(t))
+            local = [mean_bar - tf.reduce_sum(r_bar, axis=axes), var_bar]
+            g = all_sum(tf.stack(local + [tf.reduce_sum(w_t, axis=axes)]))
+            r_d = tf.stop_gradient(r) + (t - _expand(g[2] / k, axes))
+            x_bar = _expand(g[0] / k, axes) + _expand(2 * g[1] / k, axes) * r_d
             if w is not None:
                 x_bar = tf.where(w, x_bar, tf.zeros_like(x_bar))
             return r_bar + x_bar
