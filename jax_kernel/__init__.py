@@ -2,10 +2,17 @@
 
 from jax_kernel._functions import mean, std, var
 from jax_kernel._moments import moments
-from jax_kernel._state import MomentsState, merge_states, moments_state, state_moments
+from jax_kernel._state import (
+    MomentsState,
+    accumulate_state,
+    merge_states,
+    moments_state,
+    state_moments,
+)
 
 __all__ = [
     "MomentsState",
+    "accumulate_state",
     "mean",
     "merge_states",
     "moments",

@@ -22,7 +22,7 @@ from moments_core import _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
 
-__all__ = ["MomentsState", "merge_states", "moments_state", "state_moments"]
+__all__ = ["MomentsState", "accumulate_state", "merge_states", "moments_state", "state_moments"]
 
 
 def _layout(dtype):
@@ -192,3 +192,51 @@ def state_moments(state, ddof=0):
     _check_state(state, "state_moments", "state")
     ddof = check_ddof(ddof, "state_moments")
     return _finish(state.values, state.dtype, ddof)
+
+
+def _kept(shape, axes):
+    reduced = canonical_axes(axes, len(shape), "accumulate_state")
+    return [d for i, d in enumerate(shape) if i not in reduced]
+
+
+def accumulate_state(batches, axes=None):
+    """The moments state of a stream of batches: each batch's state, merged (streaming).
+
+    ``state_moments(accumulate_state(batches, axes), ddof)`` is the correctly
+    rounded mean and variance of all the batches joined along the reduced axes:
+    the bits of `moments` on the whole however the data are cut, and those of
+    ``tf_stable_moments.accumulate_state``.  batches: an iterable of arrays (one
+    `moments_state` and one `merge_states` per batch, iterated in Python; each
+    new batch shape compiles once), all of one dtype, rank and kept dimensions.
+
+    Raises:
+      TypeError: batches is a single array or not iterable.
+      ValueError: an empty iterable, batches of different dtypes, ranks or kept
+        dimensions.
+    """
+    fn = "accumulate_state"
+    if isinstance(batches, (np.ndarray, jax.Array)) or not hasattr(batches, "__iter__"):
+        raise TypeError(
+            f"{fn}: batches must be an iterable of batches (pass [x] for one array); "
+            f"got batches of type {type(batches).__name__}"
+        )
+    state, first = None, None
+    for i, batch in enumerate(batches):
+        x = jnp.asarray(batch)
+        if first is None:
+            first = x
+        elif x.dtype != first.dtype or x.ndim != first.ndim:
+            raise ValueError(
+                f"{fn}: every batch must have the dtype and rank of the first; batch {i} is "
+                f"{x.dtype} of shape {x.shape}, batch 0 {first.dtype} of shape {first.shape}"
+            )
+        elif _kept(x.shape, axes) != _kept(first.shape, axes):
+            raise ValueError(
+                f"{fn}: every batch must have the kept dimensions of the first; batch {i} has "
+                f"shape {x.shape}, batch 0 shape {first.shape} (axes={axes})"
+            )
+        current = moments_state(x, axes)
+        state = current if state is None else merge_states(state, current)
+    if state is None:
+        raise ValueError(f"{fn}: batches is empty (no batch, so no dtype); got {batches!r}")
+    return state

@@ -567,7 +567,7 @@ def _exact_rows(ops, rows, valid, count, ddof, fmt, weights=None):
 
 
 # ---------------------------------------------------------------- mean_lo (section 9)
-def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
+def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     """mean - mean_hi, to the format, from a deterministic fixed-point sum (for the layers).
 
     d = x - mean (float64) is scaled by a power of two q chosen from the certified
@@ -575,6 +575,9 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     stays below 2**53: the float64 sum is exact in any order.  Hence mean_lo has
     the same bits in every mode and framework, although it is not correctly rounded.
     mask: None or a boolean selection laid out like x (n its count per slice).
+    reduce: None, or a function applied to the per-slice fixed-point sums (an all-reduce
+    SUM over replicas that hold parts of the slices; mean, var and n are then those of
+    the union): the sums are integers below 2**53, so the result has the same bits.
     """
     size = ops.shape(x, axis)
     count = size if n is None else n
@@ -598,6 +601,8 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     shift = ops.minimum(ops.maximum(half + nb - 52, -1000), 1000)
     scaled = ops.round(d * ops.expand_dims(pow2(ops, -shift), axis))
     total = ops.sum(scaled, axis)  # exact: |total| < 2**53
+    if reduce is not None:
+        total = reduce(total)
     lo = total * pow2(ops, shift) * c.rn[0]
     return ops.where(ok, round_to(ops, lo, fmt), 0.0)
 

@@ -7,7 +7,8 @@ this runs in its own process (tests/test_layer.py starts it).  A global batch
 of 16 rows N(1e6, 1), 4 channels, with and without a mask, is split 10 + 6
 over a MirroredStrategy; the same layer weights run on the whole batch on one
 device.  Outputs, updated moving statistics and input gradients of both are
-written for the test to compare.
+written for the test to compare, with a Hessian-vector product (the gradient of
+sum(grad * v)) of fresh layers, and the sizes of replica 0's collectives.
 """
 
 import sys
@@ -41,21 +42,16 @@ def _step(layer, x, mask, loss_weights):
     return y, tape.gradient(loss, x)
 
 
-def run(masked):
-    rng = np.random.default_rng(30)
-    x = rng.normal(1e6, 1, size=(16, 4)).astype(np.float32)
-    mask = rng.random(16) < 0.7 if masked else None
-    loss_weights = rng.normal(size=(16, 4)).astype(np.float32)
-    out = {}
+def _hvp(layer, x, mask, loss_weights, v):
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        _, grad = _step(layer, x, mask, loss_weights)
+        product = tf.reduce_sum(grad * v)
+    return outer.gradient(product, x)
 
-    single = _layer()
-    y, grad = _step(single, tf.constant(x), mask, loss_weights)
-    out["single_y"], out["single_grad"] = y.numpy(), grad.numpy()
-    out["single_moving"] = np.stack([single.moving_mean.numpy(), single.moving_variance.numpy()])
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-        replicated = _layer()
+def _per_replica(strategy, fn, arrays):
+    """(a tf.function running fn on every replica, its arguments: the arrays split)."""
 
     def part(array, context):
         i = context.replica_id_in_sync_group
@@ -63,23 +59,59 @@ def run(masked):
 
     args = [
         strategy.experimental_distribute_values_from_function(lambda c, a=a: part(a, c))
-        for a in (x, mask, loss_weights)
+        for a in arrays
     ]
-    per_replica = strategy.run(tf.function(lambda *a: _step(replicated, *a)), args)
-    y, grad = (
-        np.concatenate([v.numpy() for v in strategy.experimental_local_results(t)])
-        for t in per_replica
-    )
-    out["sync_y"], out["sync_grad"] = y, grad
+    return tf.function(lambda *a: strategy.run(fn, a)), args
+
+
+def _joined(strategy, per_replica):
+    return np.concatenate([v.numpy() for v in strategy.experimental_local_results(per_replica)])
+
+
+def run(strategy, masked):
+    rng = np.random.default_rng(30)
+    x = rng.normal(1e6, 1, size=(16, 4)).astype(np.float32)
+    mask = rng.random(16) < 0.7 if masked else None
+    loss_weights = rng.normal(size=(16, 4)).astype(np.float32)
+    v = rng.normal(size=(16, 4)).astype(np.float32)
+    out = {}
+
+    single = _layer()
+    y, grad = _step(single, tf.constant(x), mask, loss_weights)
+    out["single_y"], out["single_grad"] = y.numpy(), grad.numpy()
+    out["single_moving"] = np.stack([single.moving_mean.numpy(), single.moving_variance.numpy()])
+    out["single_hvp"] = _hvp(_layer(), tf.constant(x), mask, loss_weights, v).numpy()
+
+    with strategy.scope():
+        replicated, fresh = _layer(), _layer()
+    step, args = _per_replica(strategy, lambda *b: _step(replicated, *b), (x, mask, loss_weights))
+    out["sync_y"], out["sync_grad"] = (_joined(strategy, t) for t in step(*args))
     out["sync_moving"] = np.stack(
         [replicated.moving_mean.numpy(), replicated.moving_variance.numpy()]
     )
+    out["collectives"] = _collectives(step.get_concrete_function(*args).graph)
+    hvp, hvp_args = _per_replica(strategy, lambda *b: _hvp(fresh, *b), (x, mask, loss_weights, v))
+    out["sync_hvp"] = _joined(strategy, hvp(*hvp_args))
     return out
 
 
+def _collectives(graph):
+    """[(op kind, dtype itemsize, elements)] of replica 0's collectives in the step's graph."""
+    rows = []
+    for op in graph.get_operations():
+        if op.type.startswith("Collective") and op.device.endswith("CPU:0"):
+            kind = 0 if "Reduce" in op.type else 1
+            shape = op.inputs[0].shape
+            rows.append((kind, op.inputs[0].dtype.size, shape.num_elements()))
+    return np.array(rows, np.int64).reshape(-1, 3)
+
+
 if __name__ == "__main__":
+    # One strategy for both runs: a second MirroredStrategy in the same process restarts
+    # its collective instance keys, and the runtime would pair them with the first one's.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     results = {}
     for masked in (False, True):
-        for key, value in run(masked).items():
+        for key, value in run(strategy, masked).items():
             results[f"{'masked' if masked else 'plain'}_{key}"] = value
     np.savez(sys.argv[1], **results)

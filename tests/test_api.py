@@ -174,7 +174,7 @@ def test_unknown_shapes_do_not_retrace_per_batch_size():
 
 
 def test_public_surface_is_thin():
-    state = {"MomentsState", "moments_state", "merge_states", "state_moments"}
+    state = {"MomentsState", "moments_state", "merge_states", "state_moments", "accumulate_state"}
     layers = {
         "StableBatchNormalization",
         "StableGroupNormalization",

@@ -577,6 +577,18 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     # The input gradient sums the replicas' contributions in another order: float32 tolerance.
     scale = np.abs(out["single_grad"]).max()
     np.testing.assert_allclose(out["sync_grad"], out["single_grad"], rtol=0, atol=4e-7 * scale)
+    # Second order (a Hessian-vector product): the same, to float32 tolerance.
+    scale = np.abs(out["single_hvp"]).max()
+    np.testing.assert_allclose(out["sync_hvp"], out["single_hvp"], rtol=0, atol=1e-6 * scale)
+    # Communication is state-sized, independent of the batch: replica 0's collectives are
+    # all-reduces (no gather) of the packed states (two int32 digits per int64 lane), the
+    # float64 mean_lo sums (unmasked) or a second state (masked), and the [3, 4] backward.
+    lanes = 4 * (-(-tf_stable_moments._state.state_size(tf.float32) // 2))
+    expected = {
+        "plain": [(0, 8, lanes), (0, 8, 4), (0, 4, 12)],
+        "masked": [(0, 8, lanes + 4), (0, 8, lanes), (0, 4, 12)],
+    }[case]
+    assert [tuple(row) for row in out["collectives"].tolist()] == expected
 
 
 # ------------------------------------------------------------------ configuration and weights

@@ -263,3 +263,69 @@ def test_bad_input_raises_clear_errors():
         state_moments(a, ddof=-1)
     with pytest.raises(AttributeError, match="immutable"):
         a.values = None
+
+
+# ------------------------------------------------------------------ streaming
+def _stream_data():
+    rng = np.random.default_rng(14)
+    x = rng.normal(1e6, 1.0, (50, 3)).astype(np.float32)
+    x[:, 2] = rng.normal(0.0, 1e-3, 50).astype(np.float32)
+    return x
+
+
+def test_accumulate_state_any_batching_gives_the_bits_of_the_whole():
+    """Batches of 1, 7 (a short last one) and all at once, as lists and as a batched
+    tf.data.Dataset: the state of the whole, and its moments the oracle's and moments' bits."""
+    x = _stream_data()
+    whole = moments_state(x, axes=0).values.numpy()
+    want = [bits(v) for v in oracle(x, (0,), ddof=1)]
+    np.testing.assert_array_equal(
+        want, [bits(t.numpy()) for t in tf_stable_moments.moments(x, [0], ddof=1)]
+    )
+    streams = {size: [x[i : i + size] for i in range(0, len(x), size)] for size in (1, 7, len(x))}
+    streams["dataset_7"] = tf.data.Dataset.from_tensor_slices(x).batch(7)
+    streams["tensors_7"] = [tf.constant(b) for b in streams[7]]
+    for label, batches in streams.items():
+        state = tf_stable_moments.accumulate_state(batches, axes=0)
+        np.testing.assert_array_equal(state.values.numpy(), whole, err_msg=str(label))
+        got = [bits(t.numpy()) for t in state_moments(state, ddof=1)]
+        np.testing.assert_array_equal(got, want, err_msg=str(label))
+    empty = tf_stable_moments.accumulate_state(
+        tf.data.Dataset.from_tensor_slices(x[:0]).batch(4), axes=0
+    )
+    assert empty.shape == (3,) and not empty.values.numpy().any()  # the empty state
+
+
+def test_accumulate_state_jax_matches_tf():
+    import jax_kernel
+
+    x = _stream_data()
+    # One batch shape (7 rows, 49 of the 50): one compilation (CI budget); TF tests 1/7/all.
+    batches = (x[i : i + 7] for i in range(0, 49, 7))  # a generator
+    state = jax_kernel.accumulate_state(batches, axes=0)
+    np.testing.assert_array_equal(np.asarray(state.values), moments_state(x[:49], 0).values)
+    got = [bits(np.asarray(t)) for t in jax_kernel.state_moments(state, ddof=1)]
+    np.testing.assert_array_equal(got, [bits(v) for v in oracle(x[:49], (0,), ddof=1)])
+
+
+def test_accumulate_state_bad_input_raises_clear_errors():
+    import jax_kernel
+
+    x = np.ones((7, 3), np.float32)  # the shape of the JAX test above: compiled once
+    for accumulate in (tf_stable_moments.accumulate_state, jax_kernel.accumulate_state):
+        with pytest.raises(TypeError, match=r"iterable of batches .* type ndarray"):
+            accumulate(x, axes=0)
+        with pytest.raises(ValueError, match=r"batches is empty"):
+            accumulate([], axes=0)
+        with pytest.raises(ValueError, match=r"batch 1 is float16 of shape \(7, 3\)"):
+            accumulate([x, x.astype(np.float16)], axes=0)
+        with pytest.raises(ValueError, match=r"kept dimensions of the first; batch 1 has shape"):
+            accumulate([x, x[:, :2]], axes=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, x)).batch(2)
+    with pytest.raises(TypeError, match=r"single tensors .* element_spec="):
+        tf_stable_moments.accumulate_state(dataset, axes=0)
+    unknown = tf.data.Dataset.from_generator(
+        lambda: iter([x]), output_signature=tf.TensorSpec([None, None], tf.float32)
+    )
+    with pytest.raises(ValueError, match=r"must give the kept dimensions"):
+        tf_stable_moments.accumulate_state(unknown, axes=0)

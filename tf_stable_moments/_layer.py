@@ -159,15 +159,151 @@ def _centre_jvp(x, w, axes, r, dx):
     return dx - _expand(d_mean, axes), d_var, d_mean, ops.zeros_like(d_mean)
 
 
-def _synchronized_centre(centre, context, x, w, axes):
-    """`centre` over the global batch of all replicas; r of this replica's part.
+def _synchronized_centre(context, x, w, axes):
+    """`_centre` over the global batch of all replicas; r of this replica's part.
 
-    The replicas' batches are gathered along the first reduction axis, so every
-    replica computes the kernel on the same global batch: the statistics are
-    bit-identical to those of one device holding the whole batch (summing the
-    replicas' float32 sums, as keras does, would not be exact).  The cost is one
-    all_gather of the batch; its gradient (a sum over replicas, then this
-    replica's slice) makes x_bar that of the global batch.
+    Each replica computes the exact moments state of its part
+    (tf_stable_moments.moments_state: int32 digits of exact sums, O(channels));
+    one all-reduce SUM merges them exactly in any order, and every replica
+    rounds the merged state: the statistics of the global batch, bit-identical
+    to one device holding it.  mean_lo (docs section 9) is the deterministic
+    fixed-point sum of the kernel, all-reduced in float64 (its terms are integers
+    whose sums stay below 2**53: exact in any order).  Collectives per call, every
+    replica issuing the same ones with the same shapes in the same order:
+    forward, unmasked: the state, then the mean_lo sums; masked: two states (the
+    selected counts ride in the first); backward: one of [3, channels].
+
+    Gradient: with g = all-reduce SUM of (mean_bar - sum(r_bar), var_bar) over the
+    replicas, x_bar = r_bar + (w / k) * (g_0 + 2 g_1 r), k the global count; r is
+    made differentiable as x - (global mean) as in the single-device rule (its sum
+    of w t rides in the same all-reduce), so higher orders are right too.  This
+    is the x_bar of the global batch; only the order of the float32 sums differs
+    (sum(r_bar) per replica, then across replicas; mean_bar and var_bar, one per
+    replica's loss, summed across replicas).
+    """
+    import tensorflow as tf
+
+    def all_sum(v):
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, v)
+
+    @tf.custom_gradient
+    def fn(x):
+        r, var, mean_hi, mean_lo, k = _global_centre(all_sum, tf.stop_gradient(x), w, axes)
+
+        def grad(r_bar, var_bar, mean_bar, _):
+            # t = x - stop_gradient(x) = 0 makes r differentiable as x - (global mean) for
+            # higher orders (as in the single-device rule); sum(w t) rides in the same
+            # all-reduce, whose own gradient is an all-reduce SUM.
+            t = x - tf.stop_gradient(x)
+            w_t = t if w is None else tf.where(w, t, tf.zeros_like(t))
+            local = [mean_bar - tf.reduce_sum(r_bar, axis=axes), var_bar]
+            g = all_sum(tf.stack(local + [tf.reduce_sum(w_t, axis=axes)]))
+            r_d = tf.stop_gradient(r) + (t - _expand(g[2] / k, axes))
+            x_bar = _expand(g[0] / k, axes) + _expand(2 * g[1] / k, axes) * r_d
+            if w is not None:
+                x_bar = tf.where(w, x_bar, tf.zeros_like(x_bar))
+            return r_bar + x_bar
+
+        return (r, var, mean_hi, mean_lo), grad
+
+    return fn(x)
+
+
+def _pack(digits):
+    """int32 digits [..., L] (canonical, each < 2**16) -> int64 [..., ceil(L / 2)] lanes.
+
+    Two digits per int64 (d_even + d_odd * 2**32).  A SUM of up to 2**15 packed
+    states keeps each 32-bit lane below 2**31, so no lane carries into the next
+    and the sum unpacks to the exact digit sums.  (int32 tensors live in host
+    memory in TF graphs, and tf.distribute does not batch them with device
+    tensors: int64 lanes carry the same bytes as int32 digits.)
+    """
+    import tensorflow as tf
+
+    size = digits.shape[-1]
+    wide = tf.cast(digits, tf.int64)
+    if size % 2:
+        wide = tf.concat([wide, tf.zeros_like(wide[..., :1])], -1)
+    return wide[..., 0::2] + tf.bitwise.left_shift(wide[..., 1::2], 32)
+
+
+def _unpack(lanes, size):
+    """The inverse of `_pack` on a sum of packed states: int32 digit sums [..., size]."""
+    import tensorflow as tf
+
+    low = tf.bitwise.bitwise_and(lanes, 0xFFFFFFFF)
+    high = tf.bitwise.right_shift(lanes, 32)
+    both = tf.reshape(tf.stack([low, high], -1), tf.concat([tf.shape(lanes)[:-1], [-1]], 0))
+    return tf.cast(both[..., :size], tf.int32)
+
+
+def _global_stats(all_sum, v, axes, lo, extra=None):
+    """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
+
+    One all-reduce of the packed states (with `extra`, a per-slice int32 count below
+    2**31, as one more lane of the same collective); with lo, one more of the float64
+    fixed-point sums of mean_lo (moments_core/_kernel.py `mean_lo` with reduce=).
+    """
+    import tensorflow as tf
+
+    from moments_core import _kernel
+    from moments_core._formats import FORMATS
+    from tf_stable_moments import _moments, _ops
+    from tf_stable_moments import _state as state_api
+
+    state = state_api.moments_state(v, axes)
+    size = state.values.shape[-1]
+    lanes = _pack(state.values)
+    if extra is not None:
+        lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
+    summed = all_sum(lanes)
+    total = state_api.MomentsState(_unpack(summed[..., : (size + 1) // 2], size), state.dtype)
+    mean, var = state_api.state_moments(total)
+    digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
+    n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
+    mean_lo = None
+    if lo:
+        laid, axis = _moments._layout(v, axes)
+        fmt = FORMATS[v.dtype.name]
+        m64 = tf.cast(tf.reshape(mean, [-1]), tf.float64)
+        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
+        mean_lo = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
+        mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
+    return mean, mean_lo, var, n, (summed[..., -1] if extra is not None else None)
+
+
+def _global_centre(all_sum, x, w, axes):
+    """(r, var, mean_hi, mean_lo, k): `_centre` with the moments and counts of the global
+    batch (the masked formulas of the module docstring, n and k global)."""
+    import tensorflow as tf
+
+    if w is None:
+        mean_hi, mean_lo, var, n, _ = _global_stats(all_sum, x, axes, lo=True)
+        k = tf.cast(n, x.dtype)
+    else:
+        zero = tf.zeros_like(x)
+        selected = tf.reduce_sum(tf.cast(w, tf.int32), axis=axes)
+        sum_over_n, _, _, n, k = _global_stats(
+            all_sum, tf.where(w, x, zero), axes, lo=False, extra=selected
+        )
+        n, k = tf.cast(n, x.dtype), tf.maximum(tf.cast(k, x.dtype), 1)
+        ratio = n / k
+        c = sum_over_n * ratio
+        mean_d, _, var_d, _, _ = _global_stats(
+            all_sum, tf.where(w, x - _expand(c, axes), zero), axes, lo=False
+        )
+        u = mean_d * ratio
+        var = tf.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
+        mean_hi, mean_lo = two_sum(c, u)
+    r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
+    return r, var, mean_hi, mean_lo, k
+
+
+def _gathered_centre(centre, context, x, w, axes):
+    """The former synchronized path (kept for benchmarks/sync.py): all_gather the batch.
+
+    Every replica computes `centre` on the gathered global batch (the same bits as the
+    state all-reduce) and keeps r of its own rows; communication O(batch).
     """
     import tensorflow as tf
 
@@ -265,9 +401,12 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
             weights); a UserWarning says when the moving mean cannot move.
 
     With synchronized=True under a tf.distribute strategy with several
-    replicas (TensorFlow backend, as in keras), the replicas' batches are
-    gathered and every replica computes the statistics of the global batch:
-    the same bits as one device holding the whole batch.
+    replicas (TensorFlow backend, as in keras), every replica computes the
+    exact moments state of its part (tf_stable_moments.moments_state) and the
+    states are all-reduced (O(channels) per step, not O(batch); docs section
+    13): every replica gets the statistics of the global batch, the same bits
+    as one device holding the whole batch, and the input gradient of the
+    global batch (to float32 rounding: its sums run per replica, then across).
 
     Raises:
         NotImplementedError: on a Keras backend other than TensorFlow or JAX.
@@ -377,7 +516,9 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
 
             context = tf.distribute.get_replica_context()
             if context is not None and context.num_replicas_in_sync > 1:
-                return _synchronized_centre(centre, context, inputs, weights, axes)
+                if getattr(self, "_sync_all_gather", False):  # private: benchmarks/sync.py
+                    return _gathered_centre(centre, context, inputs, weights, axes)
+                return _synchronized_centre(context, inputs, weights, axes)
         return centre(inputs, weights, axes)
 
     def _update_moving_statistics(self, mean_hi, mean_lo, variance):

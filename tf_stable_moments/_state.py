@@ -15,6 +15,7 @@ Every digit of a state is below 2**16, so an int32 all-reduce SUM of up to
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
@@ -23,7 +24,7 @@ from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
 from tf_stable_moments import _moments, _ops
 
-__all__ = ["MomentsState", "merge_states", "moments_state", "state_moments"]
+__all__ = ["MomentsState", "accumulate_state", "merge_states", "moments_state", "state_moments"]
 
 _OPS = _ops.PLAIN  # integer operations only: the same in eager mode, graphs and XLA
 
@@ -262,3 +263,103 @@ def state_moments(state, ddof=0, name=None):
         mean, var = _run(("finish", state.dtype), fn, [flat, tf.constant(ddof, tf.int64)])
         shape = tf.shape(state.values)[:-1]
         return tf.reshape(mean, shape), tf.reshape(var, shape)
+
+
+def _not_a_stream(batches, fn):
+    if isinstance(batches, (np.ndarray, tf.Tensor, tf.Variable)) or not hasattr(
+        batches, "__iter__"
+    ):
+        raise TypeError(
+            f"{fn}: batches must be an iterable of batches or a tf.data.Dataset (pass [x] "
+            f"for one array); got batches of type {type(batches).__name__}"
+        )
+
+
+def _kept(shape, axes):
+    if shape.rank is None:
+        return None
+    reduced = canonical_axes(axes, shape.rank, "accumulate_state")
+    return [d for i, d in enumerate(shape.as_list()) if i not in reduced]
+
+
+def accumulate_state(batches, axes=None, name=None):
+    """The moments state of a stream of batches: each batch's state, merged (streaming).
+
+    For data that do not fit in memory: ``state_moments(accumulate_state(batches,
+    axes), ddof)`` is the correctly rounded mean and variance of all the batches
+    joined along the reduced axes, the bits of `moments` on the whole, however the
+    data are cut (batches may differ in size along the reduced axes).
+
+    Args:
+      batches: an iterable of Tensors / numpy arrays (iterated in Python, one
+        `moments_state` and one `merge_states` per batch), or a tf.data.Dataset
+        whose elements are single Tensors (reduced with Dataset.reduce in one
+        traced function; its element spec must give the dtype and the kept
+        dimensions; an empty Dataset gives the empty state).  Every batch must
+        have the same dtype, rank and kept dimensions.
+      axes: the reduced axes of every batch (int or sequence of ints; None: all).
+      name: name scope.
+
+    Returns:
+      A MomentsState (values [*kept_dims, L] int32).
+
+    Raises:
+      TypeError: batches is a single tensor/array or not iterable, or a batch
+        (a Dataset element) is not a tensor of a supported dtype.
+      ValueError: an empty iterable (no dtype to build a state of), batches of
+        different dtypes or kept dimensions.
+    """
+    fn = "accumulate_state"
+    _not_a_stream(batches, fn)
+    with tf.name_scope(name or fn):
+        if isinstance(batches, tf.data.Dataset):
+            return _accumulate_dataset(batches, axes)
+        state, first = None, None
+        for i, batch in enumerate(batches):
+            x = tf.convert_to_tensor(batch)
+            if first is None:
+                first = x
+            elif x.dtype != first.dtype or x.shape.rank != first.shape.rank:
+                raise ValueError(
+                    f"{fn}: every batch must have the dtype and rank of the first; batch {i} "
+                    f"is {x.dtype.name} of shape {x.shape}, batch 0 {first.dtype.name} of "
+                    f"shape {first.shape}"
+                )
+            elif _kept(x.shape, axes) != _kept(first.shape, axes):
+                raise ValueError(
+                    f"{fn}: every batch must have the kept dimensions of the first; batch {i} "
+                    f"has shape {x.shape}, batch 0 shape {first.shape} (axes={axes})"
+                )
+            current = moments_state(x, axes)
+            state = current if state is None else merge_states(state, current)
+        if state is None:
+            raise ValueError(f"{fn}: batches is empty (no batch, so no dtype); got {batches!r}")
+        return state
+
+
+def _accumulate_dataset(dataset, axes):
+    spec = dataset.element_spec
+    if not isinstance(spec, tf.TensorSpec):
+        raise TypeError(
+            "accumulate_state: the elements of a tf.data.Dataset must be single tensors "
+            f"(map (x, y) pairs to x first); got element_spec={spec}"
+        )
+    _moments._compute_dtype(spec.dtype)
+    if spec.shape.rank is None:
+        raise ValueError(
+            f"accumulate_state: the Dataset's elements need a known rank; got element_spec={spec}"
+        )
+    reduced = canonical_axes(axes, spec.shape.rank, "accumulate_state")
+    kept = [d for i, d in enumerate(spec.shape) if i not in reduced]
+    if None in kept:
+        raise ValueError(
+            "accumulate_state: the Dataset's element spec must give the kept dimensions "
+            f"(those not in axes); got element_spec={spec}, axes={axes}"
+        )
+    empty = tf.zeros([*kept, _layout(spec.dtype).size], tf.int32)  # no data: n = 0
+
+    def step(values, x):
+        state = merge_states(MomentsState(values, spec.dtype), moments_state(x, axes))
+        return state.values
+
+    return MomentsState(dataset.reduce(empty, step), spec.dtype)
