@@ -640,7 +640,13 @@ def test_normalization_weights_and_files_of_keras_layer(tmp_path):
     written.save_weights(tmp_path / "norm.weights.h5")
     read = model(StableNormalization)
     read.load_weights(tmp_path / "norm.weights.h5")
-    np.testing.assert_array_equal(np.asarray(read(data)), np.asarray(written(data)))
+    for w_read, w_written in zip(read.layers[0].weights[:3], written.layers[0].weights):
+        np.testing.assert_array_equal(np.asarray(w_read), np.asarray(w_written))
+    np.testing.assert_array_equal(np.asarray(read.layers[1].kernel), written.layers[1].kernel)
+    # The same statistics; ours multiplies by 1 / scale where keras divides (an ulp apart).
+    np.testing.assert_allclose(
+        np.asarray(read(data)), np.asarray(written(data)), rtol=1e-6, atol=1e-6
+    )
     mine = model(StableNormalization)
     mine.layers[0].adapt(_adapt_data(1e6))
     mine.save(tmp_path / "norm.keras")
