@@ -48,6 +48,14 @@ def _check_out(out, fn):
         )
 
 
+def _check_mean(mean, fn):
+    if mean is not None:
+        raise NotImplementedError(
+            f"{fn}: the mean argument is not supported (the kernel "
+            "computes the exact mean itself); got a mean"
+        )
+
+
 def _ddof(ddof, correction, fn):
     if correction is None:
         return check_ddof(ddof, fn)
@@ -240,11 +248,7 @@ def var(
     supported: NotImplementedError.
     """
     _check_out(out, "var")
-    if mean is not None:
-        raise NotImplementedError(
-            "var: the mean argument is not supported (the kernel "
-            "computes the exact mean itself); got a mean"
-        )
+    _check_mean(mean, "var")
     ddof = _ddof(ddof, correction, "var")
     x, mask, axes, out_dtype = _prepare("var", a, axis, dtype, keepdims, where)
     return _moments(x, mask, axes, keepdims, ddof)[1].astype(out_dtype)
@@ -271,11 +275,7 @@ def std(
     module docstring.  Arguments as in `var`.
     """
     _check_out(out, "std")
-    if mean is not None:
-        raise NotImplementedError(
-            "std: the mean argument is not supported (the kernel "
-            "computes the exact mean itself); got a mean"
-        )
+    _check_mean(mean, "std")
     ddof = _ddof(ddof, correction, "std")
     x, mask, axes, out_dtype = _prepare("std", a, axis, dtype, keepdims, where)
     if jnp.iscomplexobj(x):

@@ -220,23 +220,11 @@ def accumulate_state(batches, axes=None):
             f"{fn}: batches must be an iterable of batches (pass [x] for one array); "
             f"got batches of type {type(batches).__name__}"
         )
-    state, first = None, None
-    for i, batch in enumerate(batches):
-        x = jnp.asarray(batch)
-        if first is None:
-            first = x
-        elif x.dtype != first.dtype or x.ndim != first.ndim:
-            raise ValueError(
-                f"{fn}: every batch must have the dtype and rank of the first; batch {i} is "
-                f"{x.dtype} of shape {x.shape}, batch 0 {first.dtype} of shape {first.shape}"
-            )
-        elif _kept(x.shape, axes) != _kept(first.shape, axes):
-            raise ValueError(
-                f"{fn}: every batch must have the kept dimensions of the first; batch {i} has "
-                f"shape {x.shape}, batch 0 shape {first.shape} (axes={axes})"
-            )
-        current = moments_state(x, axes)
-        state = current if state is None else merge_states(state, current)
-    if state is None:
-        raise ValueError(f"{fn}: batches is empty (no batch, so no dtype); got {batches!r}")
-    return state
+    return _state.merge_stream(
+        batches,
+        axes,
+        jnp.asarray,
+        lambda x: (x.dtype.name, x.ndim, _kept(x.shape, axes)),
+        moments_state,
+        merge_states,
+    )

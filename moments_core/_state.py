@@ -278,3 +278,34 @@ def values(ops, d, layout, ddof):
     var = ops.from_bits(var_bits, layout.fmt)
     var = ops.where(any_special | (n - ddof <= 0) | ops.eq(n, 0), nan, var)
     return means, var
+
+
+def merge_stream(batches, axes, convert, describe, moments_state, merge_states):
+    """accumulate_state for both frameworks: each batch's state, merged in order.
+
+    convert(batch) -> the framework's array; describe(x) -> (dtype name, rank,
+    kept dimensions).  Every batch must have the dtype, rank and kept dimensions
+    of the first; an empty stream has no dtype, so it is an error.
+    """
+    fn = "accumulate_state"
+    state, first = None, None
+    for i, batch in enumerate(batches):
+        x = convert(batch)
+        dtype, rank, kept = describe(x)
+        if first is None:
+            first, first_shape = (dtype, rank, kept), x.shape
+        elif (dtype, rank) != first[:2]:
+            raise ValueError(
+                f"{fn}: every batch must have the dtype and rank of the first; batch {i} "
+                f"is {dtype} of shape {x.shape}, batch 0 {first[0]} of shape {first_shape}"
+            )
+        elif kept != first[2]:
+            raise ValueError(
+                f"{fn}: every batch must have the kept dimensions of the first; batch {i} "
+                f"has shape {x.shape}, batch 0 shape {first_shape} (axes={axes})"
+            )
+        current = moments_state(x, axes)
+        state = current if state is None else merge_states(state, current)
+    if state is None:
+        raise ValueError(f"{fn}: batches is empty (no batch, so no dtype); got {batches!r}")
+    return state

@@ -101,3 +101,23 @@ def bits(a):
         {2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}[a.dtype.itemsize]
     )
     return flat.reshape(a.shape) if a.ndim and not np.iscomplexobj(a) else flat
+
+
+def assert_oracle(out, want, labels=None):
+    """Every slice bitwise equal to the oracle; labels (one per slice) name the wrong ones."""
+    for got, exact, what in zip(out, want, ("mean", "var")):
+        assert got.dtype == exact.dtype, (what, got.dtype, exact.dtype)
+        wrong = np.flatnonzero(bits(got.ravel()) != bits(exact.ravel()))
+        per = 2 if np.iscomplexobj(got) else 1  # bits() gives both parts of a complex
+        where = "" if labels is None else f" in {sorted({labels[i // per] for i in wrong})}"
+        assert wrong.size == 0, (
+            f"{what}: {wrong.size} slices not correctly rounded{where}, e.g. "
+            f"{got.ravel()[wrong[:3]]} vs exact {exact.ravel()[wrong[:3]]}"
+        )
+
+
+def stacked_oracle(names, oracle):
+    """(mean, var) of stacked rows from the oracle of each named entry (`names`: the
+    entry of each row, rows of one entry consecutive), flat, in row order."""
+    want = [oracle(name) for name in dict.fromkeys(names)]
+    return tuple(np.concatenate([np.ravel(w[i]) for w in want]) for i in (0, 1))

@@ -19,7 +19,7 @@ import pytest
 import rounding_fixtures
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from modes import SLICE_MODES, XLA_MODES, bits, run
+from modes import SLICE_MODES, XLA_MODES, assert_oracle, bits, run, stacked_oracle
 
 import jax_kernel
 import tf_stable_moments
@@ -82,19 +82,6 @@ def fixture_oracle(name):
     return datasets.oracle(x, axes, ddof)
 
 
-def assert_oracle(out, want, labels=None):
-    """Every slice bitwise equal to the oracle; labels (one per slice) name the wrong ones."""
-    for got, exact, what in zip(out, want, ("mean", "var")):
-        assert got.dtype == exact.dtype, (what, got.dtype, exact.dtype)
-        wrong = np.flatnonzero(bits(got.ravel()) != bits(exact.ravel()))
-        per = 2 if np.iscomplexobj(got) else 1  # bits() gives both parts of a complex
-        where = "" if labels is None else f" in {sorted({labels[i // per] for i in wrong})}"
-        assert wrong.size == 0, (
-            f"{what}: {wrong.size} slices not correctly rounded{where}, e.g. "
-            f"{got.ravel()[wrong[:3]]} vs exact {exact.ravel()[wrong[:3]]}"
-        )
-
-
 def run_fixture(name, mode):
     x, axes, ddof = FIXTURES[name]
     with x64_for(x):
@@ -107,19 +94,13 @@ def test_rounding_fixture_is_correctly_rounded(name, mode):
     assert_oracle(run_fixture(name, mode), fixture_oracle(name))
 
 
-@functools.cache
-def group_oracle(key):
-    want = [fixture_oracle(name) for name in dict.fromkeys(XLA_GROUPS[key][1])]
-    return tuple(np.concatenate([np.ravel(w[i]) for w in want]) for i in (0, 1))
-
-
 @pytest.mark.parametrize("mode", XLA_MODES)
 @pytest.mark.parametrize("key", sorted(XLA_GROUPS), ids=rounding_fixtures.group_id)
 def test_every_fixture_is_correctly_rounded_under_xla(key, mode):
     rows, names = XLA_GROUPS[key]
     with x64_for(rows):
         out = run(mode, rows, (1,), key[2])
-    assert_oracle(out, group_oracle(key), labels=names)
+    assert_oracle(out, stacked_oracle(names, fixture_oracle), labels=names)
 
 
 def test_the_issue_examples():

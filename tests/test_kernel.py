@@ -6,7 +6,7 @@ import datasets
 import numpy as np
 import pytest
 import rounding_fixtures
-from modes import CHEAP_MODES, SLICE_MODES, XLA_MODES, bits, run
+from modes import CHEAP_MODES, SLICE_MODES, XLA_MODES, assert_oracle, bits, run, stacked_oracle
 
 from tf_stable_moments._oracle import exact_moments, exact_value
 
@@ -75,23 +75,11 @@ def test_mean_correctly_rounded(name, mode):
     )
 
 
-@functools.cache
-def group_oracle(key):
-    want = [oracle(name) for name in dict.fromkeys(XLA_GROUPS[key][1])]
-    return tuple(np.concatenate([np.ravel(w[i]) for w in want]) for i in (0, 1))
-
-
 @pytest.mark.parametrize("mode", XLA_MODES)
 @pytest.mark.parametrize("key", sorted(XLA_GROUPS), ids=rounding_fixtures.group_id)
 def test_every_data_set_is_correctly_rounded_under_xla(key, mode):
     rows, names = XLA_GROUPS[key]
-    out = run(mode, rows, (1,))
-    for got, exact, what in zip(out, group_oracle(key), ("mean", "var")):
-        wrong = np.flatnonzero(bits(got) != bits(exact))
-        assert wrong.size == 0, (
-            f"{what}: {wrong.size} slices not correctly rounded in "
-            f"{sorted({names[i] for i in wrong})}: {got[wrong[:3]]} vs {exact[wrong[:3]]}"
-        )
+    assert_oracle(run(mode, rows, (1,)), stacked_oracle(names, oracle), labels=names)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -314,27 +314,14 @@ def accumulate_state(batches, axes=None, name=None):
     with tf.name_scope(name or fn):
         if isinstance(batches, tf.data.Dataset):
             return _accumulate_dataset(batches, axes)
-        state, first = None, None
-        for i, batch in enumerate(batches):
-            x = tf.convert_to_tensor(batch)
-            if first is None:
-                first = x
-            elif x.dtype != first.dtype or x.shape.rank != first.shape.rank:
-                raise ValueError(
-                    f"{fn}: every batch must have the dtype and rank of the first; batch {i} "
-                    f"is {x.dtype.name} of shape {x.shape}, batch 0 {first.dtype.name} of "
-                    f"shape {first.shape}"
-                )
-            elif _kept(x.shape, axes) != _kept(first.shape, axes):
-                raise ValueError(
-                    f"{fn}: every batch must have the kept dimensions of the first; batch {i} "
-                    f"has shape {x.shape}, batch 0 shape {first.shape} (axes={axes})"
-                )
-            current = moments_state(x, axes)
-            state = current if state is None else merge_states(state, current)
-        if state is None:
-            raise ValueError(f"{fn}: batches is empty (no batch, so no dtype); got {batches!r}")
-        return state
+        return _state.merge_stream(
+            batches,
+            axes,
+            tf.convert_to_tensor,
+            lambda x: (x.dtype.name, x.shape.rank, _kept(x.shape, axes)),
+            moments_state,
+            merge_states,
+        )
 
 
 def _accumulate_dataset(dataset, axes):
