@@ -47,13 +47,21 @@ def decompose(ops, x, fmt, base=None):
     return bits < 0, mant, p
 
 
-def _five_digits(ops, mant, p):
-    """|X| = M 2**P as five digits (each below 2**17) from digit P // 16 on."""
+def _five_digits(ops, mant, p, pieces=4):
+    """|X| = M 2**P (M < 2**(16 pieces)) as pieces + 1 digits (each below 2**17) from
+    digit P // 16 on: five for a 53-bit M."""
     off = ops.band(p, 15)
-    v = [ops.shl(ops.band(ops.shr(mant, 16 * k), MASK), off) for k in range(4)]
+    v = [ops.shl(ops.band(ops.shr(mant, 16 * k), MASK), off) for k in range(pieces)]
     lo = [ops.band(vk, MASK) for vk in v] + [0]
     hi = [0] + [ops.shr(vk, 16) for vk in v]
-    return [lo[j] + hi[j] for j in range(5)], ops.shr(p, 4)
+    return [lo[j] + hi[j] for j in range(pieces + 1)], ops.shr(p, 4)
+
+
+def _narrow(ops, mant, p, fmt):
+    """(M, P) with M shifted down to fmt's p bits (its low 53 - p bits are zero for a
+    value of the format) and the pieces M needs: fewer digits, less code to compile."""
+    drop = 53 - fmt.precision
+    return ops.shr(mant, drop), p + drop, -(-fmt.precision // RADIX_BITS)
 
 
 def digits_of(ops, v, base, length, fmt):
@@ -99,9 +107,11 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
     parts: float64 arrays [rows, n] (finite, flushed); valid: bool [rows, n] or None;
     weights: None or int64 [rows, n] integer frequencies (each digit is multiplied
     by its weight: S1 = sum w X, S2 = sum w X**2; exact for sum w < 2**40).
-    Each |X| = M * 2**P is first written as five digits e_0..e_4 (not normalised,
-    each below 2**17) at digit D = P // 16; X**2 is their convolution, nine sums
-    below 2**37, each split in two below 2**21: ten digits at 2 D.
+    Each |X| = M * 2**P, M the p-bit integer of the format, is first written as
+    d = ceil(p / 16) + 1 digits e_0..e_{d-1} (not normalised, each below 2**17;
+    five for float64, three for float32, two for float16 and bfloat16) at digit
+    D = P // 16; X**2 is their convolution, 2 d - 1 sums below d 2**34 <= 2**37,
+    each split in two below 2**21: 2 d digits at 2 D.
     """
     rows = ops.shape(parts[0], 0)
     row = ops.expand_dims(ops.iota(rows, "int64"), 1)
@@ -111,15 +121,20 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
         if valid is not None:
             mant = ops.where(valid, mant, 0)
         # Piece k = (M >> 16 k) mod 2**16 sits at bit P + 16 k: split (piece << P mod 16).
-        e, first = _five_digits(ops, mant, p)
+        mant, p, pieces = _narrow(ops, mant, p, fmt)
+        e, first = _five_digits(ops, mant, p, pieces)
         sign = ops.where(negative, -1, 1)
         if weights is not None:
             sign = sign * weights
         s1s.append(_segment_digits(ops, [ej * sign for ej in e], row * l1 + first, l1, rows))
-        conv = [sum(e[a] * e[j - a] for a in range(max(0, j - 4), min(4, j) + 1)) for j in range(9)]
+        d = len(e)
+        conv = [
+            sum(e[a] * e[j - a] for a in range(max(0, j - d + 1), min(d - 1, j) + 1))
+            for j in range(2 * d - 1)
+        ]
         low = [ops.band(cj, MASK) for cj in conv] + [0]
         high = [0] + [ops.shr(cj, 16) for cj in conv]
-        s2 = [low[j] + high[j] for j in range(10)]
+        s2 = [low[j] + high[j] for j in range(2 * d)]
         s2_data += s2 if weights is None else [d * weights for d in s2]
         s2_ids.append(row * l2 + 2 * first)
     return s1s, _segment_digits(ops, s2_data, s2_ids, l2, rows)
@@ -211,8 +226,9 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     """Bit patterns (int64) of num / prod(divisors) * 2**offset rounded once to `fmt`.
 
     num: normalised non-negative digits [rows, L]; divisors: int64 [rows] arrays,
-    each in [1, 2**46); offset: an int.  Round-half-even, results below 2**emin
-    flush to 0, results >= 2**emax are inf; `negative` (bool [rows]) sets the sign.
+    each in [1, 2**46); offset: an int or an int64 [rows] array.  Round-half-even,
+    results below 2**emin flush to 0, results >= 2**emax are inf; `negative`
+    (bool [rows]) sets the sign.
     """
     p = fmt.precision
     z = -(-(p + 2 + len(divisors) * MAX_N_BITS) // RADIX_BITS)
@@ -271,19 +287,37 @@ def exact_moments(ops, parts, valid, n, ddof, fmt, weights=None):
     Rows with n - ddof <= 0 get a meaningless variance (the caller replaces it).
     weights: None or int64 [rows, size] integer frequencies, n their sums: the
     weighted mean S1 / n and variance (n S2 - S1**2) / (n (n - ddof)).
+
+    The sums of all parts are carried, made non-negative and rounded as the rows
+    of one stacked array (k + 1 blocks for k parts), so that the compiled code
+    holds each carry loop and the rounding once, whatever the number of parts.
     """
     l1, l2 = lengths(fmt)
     s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2, weights)
-    s2 = normalise(ops, resize(ops, s2, l2))
-    num = s2 * ops.expand_dims(n, 1)
-    means = []
-    for s1 in s1s:
-        s1 = normalise(ops, s1)
-        negative = s1[:, -1] < 0
-        magnitude = negate_if(ops, s1, negative)
+    k = len(s1s)
+    rows = ops.shape(s2, 0)
+    sums = normalise(ops, ops.concat([resize(ops, s, l2) for s in [*s1s, s2]], 0))
+    block = ops.iota(k + 1, "int64")
+    negative = ops.reshape(sums[:, -1] < 0, [k + 1, rows])  # S2 >= 0: never negative
+    sums = negate_if(ops, sums, ops.reshape(negative, [-1]))
+    num = sums[k * rows :] * ops.expand_dims(n, 1)
+    for i in range(k):
+        magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1| < 2**(16 l1)
         num = num - resize(ops, multiply(ops, magnitude, magnitude), l2)
-        means.append(to_float(ops, magnitude, [n], fmt.base, fmt, negative))
     num = normalise(ops, num)
     d = ops.maximum(n - ddof, 1)
-    var = to_float(ops, num, [n, d], 2 * fmt.base, fmt)
-    return means, var
+    ones = ops.ones_like(n)
+    # Means S1 / (n * 1) * 2**base, the variance N / (n d) * 2**(2 base).
+    divisors = [ops.concat([n] * (k + 1), 0), ops.concat([ones] * k + [d], 0)]
+    offset = ops.reshape(
+        ops.expand_dims(ops.where(ops.eq(block, k), 2 * fmt.base, fmt.base), 1) + 0 * n, [-1]
+    )
+    bits = to_float(
+        ops,
+        ops.concat([sums[: k * rows], num], 0),
+        divisors,
+        offset,
+        fmt,
+        ops.reshape(negative, [-1]),
+    )
+    return [bits[i * rows : (i + 1) * rows] for i in range(k)], bits[k * rows :]
