@@ -128,15 +128,16 @@ def _shift_point(a, b):
     its users, which no compiler contracts.  The same on both backends and every mode.
     """
     c = a * b
+    integer = "int64" if c.dtype == "float64" else "int32"  # float32 or float64 statistics
     if keras.backend.backend() == "jax":
         from jax import lax
 
-        bits = lax.bitcast_convert_type(c, "int32")
+        bits = lax.bitcast_convert_type(c, integer)
         return lax.bitcast_convert_type(bits & -2, c.dtype)
     import tensorflow as tf
 
-    bits = tf.bitcast(c, tf.int32)
-    return tf.bitcast(tf.bitwise.bitwise_and(bits, -2), c.dtype)
+    bits = tf.bitcast(c, integer)
+    return tf.bitcast(tf.bitwise.bitwise_and(bits, tf.constant(-2, integer)), c.dtype)
 
 
 def _centre(stats, x, w, axes):
