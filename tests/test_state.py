@@ -185,9 +185,11 @@ def test_every_dataset_sharded_gives_the_bits_of_the_whole(name):
         x, axes, _ = fixtures()[name]
     whole = moments_state(tf.constant(x), axes=list(axes))
     for ddof in (0, 1):
-        want = oracle(x, axes, ddof)
         got = [t.numpy() for t in state_moments(whole, ddof=ddof)]
         ref = [t.numpy() for t in tf_stable_moments.moments(tf.constant(x), list(axes), ddof=ddof)]
+        # The oracle's Python rationals for 2**20 elements cost seconds (CI budget): there,
+        # moments, itself checked against the oracle on that fixture (test_certification.py).
+        want = oracle(x, axes, ddof) if x.size <= 2**17 else ref
         for g, w, r, part in zip(got, want, ref, ("mean", "var")):
             np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{name} {part} vs oracle")
             np.testing.assert_array_equal(bits(g), bits(r), err_msg=f"{name} {part} vs moments")
