@@ -21,6 +21,7 @@ from keras.src import testing as keras_testing
 import tf_stable_moments
 from tf_stable_moments import StableBatchNormalization
 from tf_stable_moments._oracle import exact_value, ulp_error
+from tf_stable_moments._state import state_size
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("eager", "tf_function", "jit_compile")
@@ -583,7 +584,7 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     # Communication is state-sized, independent of the batch: replica 0's collectives are
     # all-reduces (no gather) of the packed states (two int32 digits per int64 lane), the
     # float64 mean_lo sums (unmasked) or a second state (masked), and the [3, 4] backward.
-    lanes = 4 * (-(-tf_stable_moments._state.state_size(tf.float32) // 2))
+    lanes = 4 * (-(-state_size(tf.float32) // 2))
     expected = {
         "plain": [(0, 8, lanes), (0, 8, 4), (0, 4, 12)],
         "masked": [(0, 8, lanes + 4), (0, 8, lanes), (0, 4, 12)],

@@ -156,6 +156,58 @@ def test_shards_merged_in_any_order_give_the_bits_of_the_whole(dtype):
             _check_moments(orders[-1], ddofs, expected, from_moments, f"{k} shards")
 
 
+# The datasets the packed test above leaves out (CI budget there), each cut along a
+# reduced axis into 1, 2, 3, 4 and 8 uneven shards (one empty), every dataset's own
+# array with its own axes (no padding: the state costs per element).
+OTHER_DATASETS = tuple(k for k in all_datasets() if k not in DATASETS)
+
+
+def _shard_orders(rng, states):
+    """Every merge order of up to 3 shards; 3 random orders and 2 random trees beyond."""
+    if len(states) <= 3:
+        return [functools.reduce(merge_states, p) for p in itertools.permutations(states)]
+    orders = [functools.reduce(merge_states, [states[i] for i in rng.permutation(len(states))])]
+    orders += [functools.reduce(merge_states, states[::-1]), functools.reduce(merge_states, states)]
+    return orders + [_tree(rng, states) for _ in range(2)]
+
+
+@pytest.mark.parametrize("name", OTHER_DATASETS + ("huge_n_f32_2p20_mean_tie_var_tie",))
+def test_every_dataset_sharded_gives_the_bits_of_the_whole(name):
+    """The rest of the dataset suite (and the 2**20-element tie fixture, left out above),
+    sharded along a reduced axis: every order gives the whole's state, whose moments are the
+    oracle's bits and moments' (ddof 0 and 1)."""
+    if name in OTHER_DATASETS:
+        x, axes, _ = all_datasets()[name]
+        if x.ndim == 2:  # at most COLUMNS slices, as above (CI budget)
+            kept = 1 - axes[0]
+            x = np.take(x, range(min(COLUMNS, x.shape[kept])), axis=kept)
+    else:
+        x, axes, _ = fixtures()[name]
+    whole = moments_state(tf.constant(x), axes=list(axes))
+    for ddof in (0, 1):
+        got = [t.numpy() for t in state_moments(whole, ddof=ddof)]
+        ref = [t.numpy() for t in tf_stable_moments.moments(tf.constant(x), list(axes), ddof=ddof)]
+        # The oracle's Python rationals for 2**20 elements cost seconds (CI budget): there,
+        # moments, itself checked against the oracle on that fixture (test_certification.py).
+        want = oracle(x, axes, ddof) if x.size <= 2**17 else ref
+        for g, w, r, part in zip(got, want, ref, ("mean", "var")):
+            np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{name} {part} vs oracle")
+            np.testing.assert_array_equal(bits(g), bits(r), err_msg=f"{name} {part} vs moments")
+    axis = max(axes, key=lambda a: x.shape[a])  # the longest reduced axis
+    rng = np.random.default_rng(len(name))
+    sharded_counts = (1, 2, 3, 4, 8) if x.size <= 2**17 else (8,)  # 2**20: CI budget
+    for k in sharded_counts:
+        cuts = _cuts(rng, x.shape[axis], k, empty=k in (3, 8))
+        states = [
+            moments_state(tf.constant(np.take(x, range(a, b), axis=axis)), axes=list(axes))
+            for a, b in cuts
+        ]
+        for merged in _shard_orders(rng, states):
+            np.testing.assert_array_equal(
+                merged.values.numpy(), whole.values.numpy(), err_msg=f"{name}, {k} shards"
+            )
+
+
 def _run_script(name, tmp_path, **arrays):
     src, dst = tmp_path / "in.npz", tmp_path / "out.npz"
     np.savez(src, **arrays)
@@ -329,3 +381,28 @@ def test_accumulate_state_bad_input_raises_clear_errors():
     )
     with pytest.raises(ValueError, match=r"must give the kept dimensions"):
         tf_stable_moments.accumulate_state(unknown, axes=0)
+
+
+# ------------------------------------------------------------------ merge trees (docs section 13)
+def test_merge_trees_simulation_small():
+    """benchmarks/merge_trees.py with 16 shards (TF: nothing compiled): chain, balanced and
+    random binary trees, a ring all-reduce and one flat int32 sum all give the state of the
+    whole and the bits of moments and of the oracle; the digit headroom is measured."""
+    import importlib.util
+
+    path = HERE.parent / "benchmarks" / "merge_trees.py"
+    spec = importlib.util.spec_from_file_location("merge_trees", path)
+    merge_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_trees)
+    figures = merge_trees.run(devices=16, rows=24, channels=4, framework="tf", verbose=False)
+    assert figures["trees"] == [
+        "chain",
+        "binary",
+        "random_0",
+        "random_1",
+        "random_2",
+        "ring",
+        "psum",
+    ]
+    assert figures["state_int32_per_slice"] == state_size(tf.float32)
+    assert 2**16 <= figures["headroom"][16] <= 16 * (2**16 - 1) < 2**31

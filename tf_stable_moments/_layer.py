@@ -50,12 +50,14 @@ selected elements (mask true).  A kernel over a data-dependent subset is not
 possible with static shapes, so the selected moments are recovered exactly
 from two kernel passes over full slices of n elements, k of them selected:
   1. kernel(where(w, x, 0)) has mean S / n with S = sum of selected x, to
-     double precision; c = fl(mean * n / k) is within about 2 ulps of the
-     selected mean.
+     double precision; c = fl(mean * n / k), its lowest significand bit
+     cleared (`_shift_point`: no compiler may fuse the product into x - c), is
+     within about 3 ulps of the selected mean.
   2. d = where(w, x - c, 0) (exact for offset data, by Sterbenz);
      kernel(d) gives mean_d = (k / n) u and var_d, with u = selected mean - c,
      tiny.  Then
-       selected mean = c + u,  with u = mean_d * n / k  (two_sum gives hi, lo),
+       selected mean = c + u,  with u = mean_d * n / k  (two_sum gives hi, lo;
+                                u's lowest bit cleared too),
        selected var  = (n / k) var_d - (1 - k / n) u**2.
      The subtracted term is of size ulp(mean)**2, so there is no cancellation
      unless the selected data are constant at the scale of ulp(mean)
@@ -84,6 +86,7 @@ not inside TensorFlow XLA, which cannot call back into Python).
 """
 
 import functools
+import inspect
 import math
 
 import keras
@@ -110,6 +113,33 @@ def _counts(x, w, axes):
     return n, ops.maximum(k, 1)
 
 
+def _shift_point(a, b):
+    """fl(a * b) with its lowest significand bit cleared: c and u of the masked formulas.
+
+    The masked formulas use one float32 c twice, in d = x - c (exact) and in
+    two_sum(c, u), and u = mean_d * ratio in both parts of two_sum.  Inside one XLA
+    fusion the CPU compiler contracts x - a * b (and u - bb, c + u) into fused
+    multiply-adds (rounded once: not x - c), which made mean_lo, hence the output, wrong
+    by up to ulp(mean) / 2 under jax.jit (seen with the mask computed in the traced
+    function; an optimization barrier is expanded before fusion, and LLVM folds a
+    float64 detour back into a float32 product).  Clearing a bit of the encoding (at
+    most 1 ulp: c is any value near the selected mean, and u's change is 2**-24 of u,
+    itself of the size of ulp(mean)) puts an integer operation between the product and
+    its users, which no compiler contracts.  The same on both backends and every mode.
+    """
+    c = a * b
+    integer = "int64" if c.dtype == "float64" else "int32"  # float32 or float64 statistics
+    if keras.backend.backend() == "jax":
+        from jax import lax
+
+        bits = lax.bitcast_convert_type(c, integer)
+        return lax.bitcast_convert_type(bits & -2, c.dtype)
+    import tensorflow as tf
+
+    bits = tf.bitcast(c, integer)
+    return tf.bitcast(tf.bitwise.bitwise_and(bits, tf.constant(-2, integer)), c.dtype)
+
+
 def _centre(stats, x, w, axes):
     """(r, var, mean_hi, mean_lo): r = x - mean over all elements, moments of the selected.
 
@@ -123,9 +153,9 @@ def _centre(stats, x, w, axes):
         ratio = n / k
         zero = ops.zeros_like(x)
         sum_over_n, _, _ = stats(ops.where(w, x, zero), axes, 0)
-        c = sum_over_n * ratio
+        c = _shift_point(sum_over_n, ratio)
         mean_d, _, var_d = stats(ops.where(w, x - _expand(c, axes), zero), axes, 0)
-        u = mean_d * ratio
+        u = _shift_point(mean_d, ratio)
         var = ops.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
         mean_hi, mean_lo = two_sum(c, u)
     r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
@@ -188,7 +218,10 @@ def _synchronized_centre(context, x, w, axes):
 
     @tf.custom_gradient
     def fn(x):
-        r, var, mean_hi, mean_lo, k = _global_centre(all_sum, tf.stop_gradient(x), w, axes)
+        def global_stats(v, lo, extra):
+            return _tf_global_stats(all_sum, v, axes, lo, extra)
+
+        r, var, mean_hi, mean_lo, k = _global_centre(global_stats, tf.stop_gradient(x), w, axes)
 
         def grad(r_bar, var_bar, mean_bar, _):
             # t = x - stop_gradient(x) = 0 makes r differentiable as x - (global mean) for
@@ -237,7 +270,7 @@ def _unpack(lanes, size):
     return tf.cast(both[..., :size], tf.int32)
 
 
-def _global_stats(all_sum, v, axes, lo, extra=None):
+def _tf_global_stats(all_sum, v, axes, lo, extra=None):
     """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
 
     One all-reduce of the packed states (with `extra`, a per-slice int32 count below
@@ -272,28 +305,141 @@ def _global_stats(all_sum, v, axes, lo, extra=None):
     return mean, mean_lo, var, n, (summed[..., -1] if extra is not None else None)
 
 
-def _global_centre(all_sum, x, w, axes):
-    """(r, var, mean_hi, mean_lo, k): `_centre` with the moments and counts of the global
-    batch (the masked formulas of the module docstring, n and k global)."""
-    import tensorflow as tf
+def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
+    """`_tf_global_stats` on the JAX backend, inside `jax.shard_map` over `axis_name`: each
+    device's state of its rows (jax_kernel.moments_state, pure XLA: no FFI call), one psum
+    of the int32 digits (with `extra`, a per-slice count below 2**31, as one more digit),
+    and with lo one psum of the float64 fixed-point sums of mean_lo."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-    if w is None:
-        mean_hi, mean_lo, var, n, _ = _global_stats(all_sum, x, axes, lo=True)
-        k = tf.cast(n, x.dtype)
+    from jax_kernel import _moments, _ops
+    from jax_kernel import _state as state_api
+    from moments_core import _kernel
+    from moments_core._formats import FORMATS
+
+    state = state_api.moments_state(v, axes)
+    size = state.values.shape[-1]
+    digits = state.values
+    if extra is not None:
+        digits = jnp.concatenate([digits, extra.astype(np.int32)[..., None]], -1)
+    summed = jax.lax.psum(digits, axis_name)
+    total = state_api.MomentsState(summed[..., :size], state.dtype)
+    mean, var = state_api.state_moments(total)
+    # The global count is static (every device holds an even shard; `where` selects by
+    # zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on one device,
+    # so that XLA folds the same constants (it turns a division by a constant n into a
+    # product with 1 / n: a traced n would give other bits).
+    n = math.prod(v.shape[a] for a in axes) * devices
+    mean_lo = None
+    with jax.enable_x64(True):
+        if lo:
+            laid, axis = _moments._layout(v, axes)
+            fmt = FORMATS[np.dtype(v.dtype).name]
+            m64 = mean.reshape(-1).astype(np.float64)
+            v64 = var.reshape(-1).astype(np.float64)
+
+            def all_sum(t):
+                return jax.lax.psum(t, axis_name)
+
+            mean_lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
+            mean_lo = mean_lo.astype(v.dtype).reshape(mean.shape)
+    return mean, mean_lo, var, n, (summed[..., -1] if extra is not None else None)
+
+
+def _jax_mesh_axis(x, axes):
+    """(mesh, batch axis name) when the layer should synchronize on the JAX backend: a
+    keras.distribution with more than one device along its batch dimension, which the
+    layer reduces, and a batch divisible by that count (jax.shard_map needs even shards);
+    else None (the single-device path: the same bits, without the O(channels) collectives)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None or 0 not in axes:
+        return None
+    name = distribution.batch_dim_name
+    mesh = distribution.device_mesh.backend_mesh
+    size = mesh.shape.get(name, 1) if name is not None else 1
+    batch = x.shape[0]
+    if size <= 1 or batch is None or batch % size:
+        return None
+    return mesh, name
+
+
+@functools.lru_cache(maxsize=64)
+def _jax_synchronized_centre(mesh, axis_name, axes, masked):
+    """The differentiable `_centre` of the global batch on the JAX backend.
+
+    Forward: `jax.shard_map` over the batch axis of the mesh, each device computing its
+    rows' exact state, psum-ed (`_jax_global_stats`): O(channels) communication, the bits
+    of one device holding the batch.  (The native kernel is an FFI custom call: on a
+    sharded input XLA would gather the batch to run it.)  Tangents: the single-device
+    rule (`_centre_jvp`) on the global arrays; XLA partitions its batch sums into
+    per-device sums and an all-reduce of [channels] float32, so gradients equal the
+    single device's to float32 rounding (the sums run in another order).
+    """
+    import jax
+    from jax.sharding import PartitionSpec
+
+    batch, replicated = PartitionSpec(axis_name), PartitionSpec()
+
+    def local(x, w):
+        def global_stats(v, lo, extra):
+            return _jax_global_stats(axis_name, mesh.shape[axis_name], v, axes, lo, extra)
+
+        return _global_centre(global_stats, x, w, axes)[:4]
+
+    if masked:
+        body, in_specs = local, (batch, batch)
     else:
-        zero = tf.zeros_like(x)
-        selected = tf.reduce_sum(tf.cast(w, tf.int32), axis=axes)
-        sum_over_n, _, _, n, k = _global_stats(
-            all_sum, tf.where(w, x, zero), axes, lo=False, extra=selected
+
+        def body(x):
+            return local(x, None)
+
+        in_specs = (batch,)
+    sharded = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(batch, replicated, replicated, replicated),
+            check_vma=False,
         )
-        n, k = tf.cast(n, x.dtype), tf.maximum(tf.cast(k, x.dtype), 1)
+    )
+
+    @jax.custom_jvp
+    def centre(x, w):
+        return sharded(x, w) if masked else sharded(x)
+
+    @centre.defjvp
+    def centre_jvp(primals, tangents):
+        x, w = primals
+        out = centre(x, w)
+        return out, _centre_jvp(x, w, axes, out[0], tangents[0])
+
+    return centre
+
+
+def _global_centre(global_stats, x, w, axes):
+    """(r, var, mean_hi, mean_lo, k): `_centre` with the moments and counts of the global
+    batch (the masked formulas of the module docstring, n and k global).
+
+    global_stats(v, lo, extra) -> (mean, mean_lo or None, var, n, extra summed): the
+    statistics of the global batch of v, from the all-reduced states (`_tf_global_stats`,
+    `_jax_global_stats`).  Written in keras ops: the same formulas on both backends.
+    """
+    if w is None:
+        mean_hi, mean_lo, var, n, _ = global_stats(x, True, None)
+        k = ops.cast(n, x.dtype)
+    else:
+        zero = ops.zeros_like(x)
+        selected = ops.sum(ops.cast(w, "int32"), axis=axes)
+        sum_over_n, _, _, n, k = global_stats(ops.where(w, x, zero), False, selected)
+        n, k = ops.cast(n, x.dtype), ops.maximum(ops.cast(k, x.dtype), 1)
         ratio = n / k
-        c = sum_over_n * ratio
-        mean_d, _, var_d, _, _ = _global_stats(
-            all_sum, tf.where(w, x - _expand(c, axes), zero), axes, lo=False
-        )
-        u = mean_d * ratio
-        var = tf.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
+        c = _shift_point(sum_over_n, ratio)
+        mean_d, _, var_d, _, _ = global_stats(ops.where(w, x - _expand(c, axes), zero), False, None)
+        u = _shift_point(mean_d, ratio)
+        var = ops.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
         mean_hi, mean_lo = two_sum(c, u)
     r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
     return r, var, mean_hi, mean_lo, k
@@ -407,6 +553,10 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     13): every replica gets the statistics of the global batch, the same bits
     as one device holding the whole batch, and the input gradient of the
     global batch (to float32 rounding: its sums run per replica, then across).
+    On the JAX backend (where keras refuses synchronized=True) the same holds
+    under a keras.distribution with several devices on its batch axis
+    (DataParallel): the statistics run in jax.shard_map over that axis, with a
+    psum of the states (`_jax_synchronized_centre`).
 
     Raises:
         NotImplementedError: on a Keras backend other than TensorFlow or JAX.
@@ -416,8 +566,18 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, *args, compensated_moving_stats=False, **kwargs):
+        backend = _check_backend()
+        synchronized = None
+        if backend == "jax":  # keras refuses synchronized=True off TensorFlow; this layer not
+            bound = inspect.signature(keras.layers.BatchNormalization.__init__).bind(
+                self, *args, **kwargs
+            )
+            synchronized = bound.arguments.get("synchronized", False)
+            bound.arguments["synchronized"] = False
+            args, kwargs = bound.args[1:], bound.kwargs
         super().__init__(*args, **kwargs)
-        _check_backend()
+        if synchronized is not None:
+            self.synchronized = synchronized
         if not isinstance(compensated_moving_stats, bool):
             raise ValueError(
                 "compensated_moving_stats must be a bool; "
@@ -519,6 +679,10 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
                 if getattr(self, "_sync_all_gather", False):  # private: benchmarks/sync.py
                     return _gathered_centre(centre, context, inputs, weights, axes)
                 return _synchronized_centre(context, inputs, weights, axes)
+        if self.synchronized and backend == "jax":
+            sync = _jax_mesh_axis(inputs, axes)
+            if sync is not None:
+                return _jax_synchronized_centre(*sync, axes, weights is not None)(inputs, weights)
         return centre(inputs, weights, axes)
 
     def _update_moving_statistics(self, mean_hi, mean_lo, variance):
