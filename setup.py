@@ -53,7 +53,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "jax>=0.4.30", "jaxlib>=0.4.30", "numpy>=1.26"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "matplotlib>=3.8"],
         "bench": ["matplotlib>=3.8"],
     },
 )

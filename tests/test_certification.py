@@ -23,6 +23,7 @@ from modes import SLICE_MODES, XLA_MODES, assert_oracle, bits, run, stacked_orac
 
 import jax_kernel
 import tf_stable_moments
+from jax_kernel._functions import _masked_real as masked_kernel
 from moments_core import _kernel
 from tf_stable_moments import _moments as tf_moments
 
@@ -101,6 +102,46 @@ def test_every_fixture_is_correctly_rounded_under_xla(key, mode):
     with x64_for(rows):
         out = run(mode, rows, (1,), key[2])
     assert_oracle(out, stacked_oracle(names, fixture_oracle), labels=names)
+
+
+# Every fixture (but the one of 2**20 elements) through the XLA kernel in one compilation
+# per (dtype, ddof): its slices padded to the group's longest with zeros that a mask
+# leaves out (the kernel of jax_kernel.mean / var(where=...): a count per slice).  The padding
+# is selected away, so each slice must still give its oracle's bits.
+MASKED_LIMIT = 4096
+
+
+def _masked_groups():
+    groups = {}
+    for (dtype, n, ddof), (rows, names) in rounding_fixtures.stacked(FIXTURES).items():
+        if n <= MASKED_LIMIT:
+            groups.setdefault((dtype, ddof), []).append((rows, names))
+    return groups
+
+
+MASKED_GROUPS = _masked_groups()
+
+
+@pytest.mark.parametrize("key", sorted(MASKED_GROUPS), ids=lambda k: f"{k[0]}-ddof{k[1]}")
+def test_every_fixture_is_correctly_rounded_by_the_xla_kernel_with_a_count_per_slice(key):
+    dtype, ddof = key
+    parts = MASKED_GROUPS[key]
+    width = max(r.shape[1] for r, _ in parts)
+    x = np.concatenate([np.pad(r, [(0, 0), (0, width - r.shape[1])]) for r, _ in parts])
+    where = np.concatenate([np.arange(width) < r.shape[1] + 0 * r[:, :1] for r, _ in parts])
+    names = [n for _, group in parts for n in group]
+    assert x.dtype == np.dtype(dtype) and where.sum() == sum(r.size for r, _ in parts)
+    with x64_for(x):  # the kernel call of jax_kernel.mean / var(where=): both in one
+        out = jax.jit(lambda v, w: masked_kernel(v, w, (1,), ddof, False))(x, where)
+    out = tuple(np.asarray(o) for o in out)
+    assert_oracle(out, stacked_oracle(names, fixture_oracle), labels=names)
+    assert len(set(names)) == sum(len(set(g)) for _, g in parts)
+
+
+def test_the_masked_xla_groups_hold_all_but_the_largest_fixture():
+    held = {n for parts in MASKED_GROUPS.values() for _, names in parts for n in names}
+    left = set(FIXTURES) - held
+    assert len(left) == 1 and all(FIXTURES[n][0].size > MASKED_LIMIT for n in left), left
 
 
 def test_the_issue_examples():
