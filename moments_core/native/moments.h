@@ -21,11 +21,13 @@
 #define TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -367,17 +369,24 @@ void column_pair_sums(const T* base, int64_t w, int64_t k0, int64_t k1, const do
 }
 
 // Partial sums of a task, one array per quantity (columns vectorise); l1, l2 only for
-// pairs.
+// pairs.  Each array has 16 doubles of padding at its end, so that the sums of two threads
+// never share a cache line.
 struct SumArrays {
+  static constexpr size_t kPad = 16;
+  size_t m;
   std::vector<double> h1, l1, h2, l2;
-  SumArrays(size_t m, bool pairs)
-      : h1(m, 0.0), l1(pairs ? m : 0, 0.0), h2(m, 0.0), l2(pairs ? m : 0, 0.0) {}
+  SumArrays(size_t m_, bool pairs)
+      : m(m_),
+        h1(m + kPad, 0.0),
+        l1(pairs ? m + kPad : 0, 0.0),
+        h2(m + kPad, 0.0),
+        l2(pairs ? m + kPad : 0, 0.0) {}
   Sums at(size_t s) const {
     return l1.empty() ? Sums{h1[s], 0.0, h2[s], 0.0} : Sums{h1[s], l1[s], h2[s], l2[s]};
   }
   void add(const SumArrays& b) {
     const bool pairs = !l1.empty();
-    for (size_t s = 0; s < h1.size(); ++s) {
+    for (size_t s = 0; s < m; ++s) {
       if (!pairs) {
         h1[s] += b.h1[s];
         h2[s] += b.h2[s];
@@ -414,6 +423,37 @@ void block_sums(const T* x, int64_t n, int64_t w, int64_t o0, int64_t o1, int64_
 
 // Inputs below which one thread does all the work (starting threads costs more).
 constexpr int64_t kThreadMin = int64_t(1) << 20;
+
+// work(c, slot) for every chunk c < chunks, by the calling thread (slot 0) and up to
+// `helpers` detached threads (slots 1...), each claiming the next chunk while any is left.
+// Returns when every chunk is done.  A helper touches the caller's data only inside a chunk
+// it claimed; one that starts after the last chunk was claimed finds none and exits (it
+// holds the counters, not the caller's frame).  A thread that cannot be started is no error:
+// the others do its share.
+struct ChunkCounters {
+  std::atomic<int64_t> next{0}, done{0};
+};
+template <typename Work>
+void run_chunks(int helpers, int64_t chunks, const Work& work) {
+  auto counters = std::make_shared<ChunkCounters>();
+  auto body = [counters, chunks](int slot, const Work& w) {
+    for (;;) {
+      const int64_t c = counters->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      w(c, slot);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int h = 1; h <= helpers && h < chunks; ++h) {
+    try {
+      std::thread(body, h, work).detach();
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  body(0, work);
+  while (counters->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
 
 // ------------------------------------------------------------------ bounds (section 4)
 struct Approx {
@@ -804,39 +844,32 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
   std::vector<double> K(static_cast<size_t>(slices));
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t i = 0; i < width; ++i) K[o * width + i] = flushed(x[o * n * width + i], tiny);
-  // Work split: by blocks o when there are as many as threads (disjoint sums), else by
-  // rows, each thread adding its rows into sums of its own (added at the end); the memory
-  // of a task is contiguous either way.  One thread below kThreadMin inputs.
+  // Work split: chunks of blocks o when there are as many blocks as threads (disjoint
+  // sums), else chunks of rows, each participant adding its rows into sums of its own
+  // (added at the end); the memory of a chunk is contiguous either way.  One thread below
+  // kThreadMin inputs.  Chunks are claimed while they last (run_chunks): a helper thread
+  // that the machine runs late leaves its share to the others instead of delaying the call.
   const int64_t total = slices * n;
   int T_ = std::max(1, threads);
   if (total < kThreadMin) T_ = 1;
-  if (outer < T_) T_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(T_, n / 64)));
   SumArrays acc(static_cast<size_t>(slices), pairs);
   const double* Kp = K.data();
   if (T_ == 1) {
     block_sums(x, n, width, 0, outer, 0, n, Kp, pairs, tiny, acc);
   } else if (outer >= T_) {
-    std::vector<std::thread> pool;
-    const int64_t step = (outer + T_ - 1) / T_;
-    for (int t = 1; t < T_; ++t) {
-      const int64_t o0 = t * step, o1 = std::min(outer, o0 + step);
-      if (o0 >= o1) break;
-      pool.emplace_back([&, o0, o1] { block_sums(x, n, width, o0, o1, 0, n, Kp, pairs, tiny, acc); });
-    }
-    block_sums(x, n, width, 0, std::min(outer, step), 0, n, Kp, pairs, tiny, acc);
-    for (auto& th : pool) th.join();
+    const int64_t chunks = std::min<int64_t>(outer, 8 * T_), step = (outer + chunks - 1) / chunks;
+    run_chunks(T_ - 1, (outer + step - 1) / step, [&](int64_t c, int) {
+      block_sums(x, n, width, c * step, std::min(outer, (c + 1) * step), 0, n, Kp, pairs, tiny,
+                 acc);
+    });
   } else {
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(8 * T_, n / 64));
+    const int64_t step = (n + chunks - 1) / chunks;
     std::vector<SumArrays> part(T_ - 1, SumArrays(static_cast<size_t>(slices), pairs));
-    std::vector<std::thread> pool;
-    const int64_t step = (n + T_ - 1) / T_;
-    for (int t = 1; t < T_; ++t) {
-      const int64_t k0 = t * step, k1 = std::min(n, k0 + step);
-      if (k0 >= k1) break;
-      pool.emplace_back(
-          [&, t, k0, k1] { block_sums(x, n, width, 0, outer, k0, k1, Kp, pairs, tiny, part[t - 1]); });
-    }
-    block_sums(x, n, width, 0, outer, 0, std::min(n, step), Kp, pairs, tiny, acc);
-    for (auto& th : pool) th.join();
+    run_chunks(T_ - 1, (n + step - 1) / step, [&](int64_t c, int slot) {
+      block_sums(x, n, width, 0, outer, c * step, std::min(n, (c + 1) * step), Kp, pairs, tiny,
+                 slot == 0 ? acc : part[slot - 1]);
+    });
     for (auto& p : part) acc.add(p);
   }
   // Rounding test per slice; the slices it leaves open are listed for the exact path.
@@ -879,20 +912,22 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
     }
   }
   res.undecided = static_cast<int64_t>(open.size());
-  // The exact path.  Slices that are columns are first gathered, up to 64 open columns
-  // of one o at a time, while the rows stream past once (read alone, a column would miss
-  // the cache on every element), into a buffer [n, columns] written in order; then each
-  // slice is binned from there (or, a row, from x itself).  One set of bins serves every
-  // slice (finish empties it).
+  // The exact path.  Slices that are columns are first gathered, the open columns of one
+  // o together (up to a 16 MiB buffer, at least 64 columns), while the rows stream past
+  // once (read alone, a column would miss the cache on every element), into a buffer
+  // [n, columns] written in order; then each slice is binned from there (or, a row, from
+  // x itself).  One set of bins serves every slice (finish empties it).
   BinSums<T> bins(f);
   std::unique_ptr<T[]> buf;
+  const size_t group = std::max<size_t>(
+      64, (size_t(1) << 24) / (sizeof(T) * parts * static_cast<size_t>(n)));
   if (width > 1 && !open.empty())
-    buf.reset(new T[std::min<size_t>(open.size(), 64) * parts * static_cast<size_t>(n)]);
+    buf.reset(new T[std::min(open.size(), group) * parts * static_cast<size_t>(n)]);
   size_t at = 0;
   while (at < open.size()) {
     const int64_t o = open[at] / inner;
     size_t end = at;
-    while (end < open.size() && open[end] / inner == o && end - at < 64) ++end;
+    while (end < open.size() && open[end] / inner == o && end - at < group) ++end;
     const T* block = x + o * n * width;
     const int64_t m = static_cast<int64_t>(end - at) * parts;  // gathered columns
     if (width > 1) {
