@@ -6,11 +6,12 @@ exact path) on the design note's data sets and on harder ones, in TF and JAX,
 and what a call costs when some slice needs the exact path.
 Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results] [--sweep | --sweep-only]
 
---sweep adds a size sweep (time against the number of elements, 2**10 ... 2**26, float32
-N(1e6, 1) of shape [2**k / 256, 256] reduced along axis 1, every mode against
-tf.nn.moments, jnp.var and one reduce_sum pass) plotted log-log into results/speed.png;
---sweep-only runs only that.  It is not in the default run: jit_compile compiles once per
-size (17 shapes, minutes on a small machine).
+--sweep adds a size sweep (time against the number of elements, 2**10 ... 2**26 in steps
+of 4x, float32 N(1e6, 1) of shape [2**k / 1024, 1024] reduced along axis 1, every mode
+against tf.nn.moments, jnp.var and one reduce_sum pass) plotted log-log into
+results/speed.png; --sweep-only runs only that.  It is not in the default run: the
+jit_compile mode compiles the whole kernel once per shape (tens of seconds each on a small
+machine), so it is timed at four of the sizes only.
 """
 
 import argparse
@@ -472,9 +473,12 @@ def print_case(r, reps):
 
 # ------------------------------------------------------------------------- size sweep
 
-SWEEP_COLUMNS = 256  # slices of 256 elements along axis 1: [2**k / 256, 256]
-SWEEP_POWERS = tuple(range(10, 27))
-QUICK_SWEEP_POWERS = (10, 14, 18)
+SWEEP_COLUMNS = 1024  # slices of 1024 elements along axis 1: [2**k / 1024, 1024]
+SWEEP_POWERS = tuple(range(10, 27, 2))
+QUICK_SWEEP_POWERS = (10, 14)
+# jit_compile compiles the kernel per shape (exact path included): timed at these only.
+SWEEP_XLA_POWERS = (10, 14, 18, 22)
+SWEEP_XLA = "ours XLA (jit_compile)"
 
 
 def sweep_implementations():
@@ -503,7 +507,9 @@ def size_sweep(powers, reps, budget_s=1.0):
     round of calls takes long (at least 3, about `budget_s` per implementation)."""
     impls = sweep_implementations()
     rows = []
+    all_impls = impls
     for k in powers:
+        impls = {n: v for n, v in all_impls.items() if n != SWEEP_XLA or k in SWEEP_XLA_POWERS}
         shape = (2**k // SWEEP_COLUMNS, SWEEP_COLUMNS)
         x = np.random.default_rng(k).normal(1e6, 1.0, shape).astype(np.float32)
         inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
@@ -529,9 +535,12 @@ def size_sweep(powers, reps, budget_s=1.0):
                 "median_s": {name: statistics.median(t) for name, t in times.items()},
             }
         )
+        med = rows[-1]["median_s"]
         print(
-            f"  2**{k:2d} {str(list(shape)):14} ({exact:6d} of {shape[0]:6d} slices exact) "
-            + " ".join(f"{v * 1e3:9.3f}" for v in rows[-1]["median_s"].values())
+            f"  2**{k:2d} {str(list(shape)):14} ({exact:5d} of {shape[0]:5d} slices exact) "
+            + " ".join(
+                f"{med[name] * 1e3:9.3f}" if name in med else f"{'-':>9}" for name in all_impls
+            )
         )
     return rows
 
@@ -554,16 +563,16 @@ def plot_sweep(rows, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    sizes = [r["elements"] for r in rows]
     styles = {
         "ours": {"linewidth": 2.0},
         "tf.nn": {"linestyle": "--"},
         "jnp": {"linestyle": "--"},
         "reduce_sum": {"linestyle": ":", "color": "black"},
     }
-    for name in rows[0]["median_s"]:
+    for name in sweep_implementations():
         style = next(v for k, v in styles.items() if name.startswith(k))
-        ax.plot(sizes, [r["median_s"][name] for r in rows], marker="o", ms=3, label=name, **style)
+        got = [(r["elements"], r["median_s"][name]) for r in rows if name in r["median_s"]]
+        ax.plot(*zip(*got), marker="o", ms=3, label=name, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"elements (float32 N(1e6, 1), [n / {SWEEP_COLUMNS}, {SWEEP_COLUMNS}] axis 1)")
