@@ -923,6 +923,7 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
       64, (size_t(1) << 24) / (sizeof(T) * parts * static_cast<size_t>(n)));
   if (width > 1 && !open.empty())
     buf.reset(new T[std::min(open.size(), group) * parts * static_cast<size_t>(n)]);
+  std::vector<int64_t> cols;
   size_t at = 0;
   while (at < open.size()) {
     const int64_t o = open[at] / inner;
@@ -931,11 +932,13 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
     const T* block = x + o * n * width;
     const int64_t m = static_cast<int64_t>(end - at) * parts;  // gathered columns
     if (width > 1) {
+      cols.clear();  // the gathered columns' offsets in a row
+      for (size_t q = at; q < end; ++q)
+        for (int j = 0; j < parts; ++j) cols.push_back((open[q] % inner) * parts + j);
       T* out = buf.get();
       for (int64_t k = 0; k < n; ++k) {
         const T* row = block + k * width;
-        for (size_t q = at; q < end; ++q)
-          for (int j = 0; j < parts; ++j) *out++ = row[(open[q] % inner) * parts + j];
+        for (const int64_t c : cols) *out++ = row[c];
       }
     }
     for (size_t q = at; q < end; ++q) {
