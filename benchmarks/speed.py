@@ -4,7 +4,14 @@ One process, interleaved repetitions after warm-up, medians and ratios side by
 side.  Also: the fraction of slices the fast path decides (the rest take the
 exact path) on the design note's data sets and on harder ones, in TF and JAX,
 and what a call costs when some slice needs the exact path.
-Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results]
+Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results] [--sweep | --sweep-only]
+
+--sweep adds a size sweep (time against the number of elements, 2**10 ... 2**26 in steps
+of 4x, float32 N(1e6, 1) of shape [2**k / 1024, 1024] reduced along axis 1, every mode
+against tf.nn.moments, jnp.var and one reduce_sum pass) plotted log-log into
+results/speed.png; --sweep-only runs only that.  It is not in the default run: the
+jit_compile mode compiles the whole kernel once per shape (tens of seconds each on a small
+machine), so it is timed at four of the sizes only.
 """
 
 import argparse
@@ -464,11 +471,127 @@ def print_case(r, reps):
         print(f"  ratio {k:40} {v:6.2f}")
 
 
+# ------------------------------------------------------------------------- size sweep
+
+SWEEP_COLUMNS = 1024  # slices of 1024 elements along axis 1: [2**k / 1024, 1024]
+SWEEP_POWERS = tuple(range(10, 27, 2))
+QUICK_SWEEP_POWERS = (10, 14)
+# jit_compile compiles the kernel per shape (exact path included): timed at these only.
+SWEEP_XLA_POWERS = (10, 14, 18, 22)
+SWEEP_XLA = "ours XLA (jit_compile)"
+
+
+def sweep_implementations():
+    ax = [1]
+
+    def tf_fn(f, jit=False):
+        return tf.function(f, jit_compile=jit, autograph=False)
+
+    return {
+        "ours TF eager": ("tf", lambda v: tf_stable_moments.moments(v, ax)),
+        "ours tf.function": ("tf", tf_fn(lambda v: tf_stable_moments.moments(v, ax))),
+        "ours XLA (jit_compile)": ("tf", tf_fn(lambda v: tf_stable_moments.moments(v, ax), True)),
+        "ours JAX jit (native FFI)": ("jax", lambda v: jax_kernel.moments(v, (1,))),
+        "tf.nn.moments eager": ("tf", lambda v: tf.nn.moments(v, ax)),
+        "jnp.var JAX jit": (
+            "jax",
+            jax.jit(lambda v: (jnp.mean(v, 1), jnp.var(v, axis=1))),
+        ),
+        "reduce_sum XLA (one pass)": ("tf", tf_fn(lambda v: tf.reduce_sum(v, ax), True)),
+    }
+
+
+def size_sweep(powers, reps, budget_s=1.0):
+    """Median seconds per call for each implementation and size 2**k, interleaved per size
+    after two warm-up calls (compiles); repetitions per size: `reps`, fewer where one
+    round of calls takes long (at least 3, about `budget_s` per implementation)."""
+    impls = sweep_implementations()
+    rows = []
+    all_impls = impls
+    for k in powers:
+        impls = {n: v for n, v in all_impls.items() if n != SWEEP_XLA or k in SWEEP_XLA_POWERS}
+        shape = (2**k // SWEEP_COLUMNS, SWEEP_COLUMNS)
+        x = np.random.default_rng(k).normal(1e6, 1.0, shape).astype(np.float32)
+        inputs = {"tf": tf.constant(x), "jax": jax.device_put(x)}
+        start = time.perf_counter()
+        for kind, fn in impls.values():
+            _block(fn(inputs[kind]))
+            _block(fn(inputs[kind]))
+        one_round = time.perf_counter() - start
+        n = max(3, min(reps, int(budget_s * len(impls) / max(one_round / 2, 1e-9))))
+        times = {name: [] for name in impls}
+        for _ in range(n):
+            for name, (kind, fn) in impls.items():
+                t0 = time.perf_counter()
+                _block(fn(inputs[kind]))
+                times[name].append(time.perf_counter() - t0)
+        exact = round(tf_moments.undecided_fraction(inputs["tf"], (1,)) * shape[0])
+        rows.append(
+            {
+                "elements": 2**k,
+                "shape": shape,
+                "reps": n,
+                "exact_path_slices": exact,
+                "median_s": {name: statistics.median(t) for name, t in times.items()},
+            }
+        )
+        med = rows[-1]["median_s"]
+        print(
+            f"  2**{k:2d} {str(list(shape)):14} ({exact:5d} of {shape[0]:5d} slices exact) "
+            + " ".join(
+                f"{med[name] * 1e3:9.3f}" if name in med else f"{'-':>9}" for name in all_impls
+            )
+        )
+    return rows
+
+
+def print_sweep_header():
+    names = list(sweep_implementations())
+    print(
+        f"\nsize sweep: float32 N(1e6, 1) [2**k / {SWEEP_COLUMNS}, {SWEEP_COLUMNS}] along axis 1,"
+        " median ms (interleaved per size); columns:"
+    )
+    for i, name in enumerate(names):
+        print(f"  {i + 1}. {name}")
+
+
+def plot_sweep(rows, path, title):
+    """Time against number of elements, log-log, one line per implementation (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    styles = {
+        "ours": {"linewidth": 2.0},
+        "tf.nn": {"linestyle": "--"},
+        "jnp": {"linestyle": "--"},
+        "reduce_sum": {"linestyle": ":", "color": "black"},
+    }
+    for name in sweep_implementations():
+        style = next(v for k, v in styles.items() if name.startswith(k))
+        got = [(r["elements"], r["median_s"][name]) for r in rows if name in r["median_s"]]
+        ax.plot(*zip(*got), marker="o", ms=3, label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"elements (float32 N(1e6, 1), [n / {SWEEP_COLUMNS}, {SWEEP_COLUMNS}] axis 1)")
+    ax.set_ylabel("seconds per call (median)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small cases, few repetitions")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--out", default="results")
+    parser.add_argument("--sweep", action="store_true", help="add the size sweep and its plot")
+    parser.add_argument("--sweep-only", action="store_true", help="only the size sweep")
     args = parser.parse_args(argv)
     quick = args.quick
     cases, reps = (QUICK_CASES, 3) if quick else (CASES, args.reps)
@@ -477,6 +600,27 @@ def main(argv=None):
         f"cpu: {environment()['cpu']}, {os.cpu_count()} cores; jax {jax.default_backend()}; "
         f"load average at start {_load()}"
     )
+    os.makedirs(args.out, exist_ok=True)
+    sweep = None
+    if args.sweep or args.sweep_only:
+        section = time.perf_counter()
+        print_sweep_header()
+        sweep = size_sweep(QUICK_SWEEP_POWERS if quick else SWEEP_POWERS, reps)
+        env = environment()
+        title = (
+            f"{env['cpu']}, {env['cores']} cores; TF {env['tensorflow']}, JAX {env['jax']}; "
+            f"load average {_load()}"
+        )
+        png = os.path.join(args.out, "speed.png")
+        plot_sweep(sweep, png, title)
+        print(f"  wrote {png}")
+        _took(section)
+        if args.sweep_only:
+            path = os.path.join(args.out, "speed_sweep.json")
+            with open(path, "w") as f:
+                json.dump({"environment": env, "sweep": sweep}, f, indent=1)
+            print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
+            return sweep
     # First, so that no earlier call has compiled the exact path for its shape.
     section = time.perf_counter()
     exact_shape, only = (QUICK_EXACT_SHAPE, QUICK_EXACT_IMPLS) if quick else (EXACT_SHAPE, None)
@@ -500,10 +644,9 @@ def main(argv=None):
     fractions = fraction_table(QUICK_FRACTION_SHAPES if quick else FRACTION_SHAPES)
     print_fractions(fractions)
     _took(section)
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "speed.json")
     with open(path, "w") as f:
-        record = {"environment": environment(), "reps": reps, "results": results}
+        record = {"environment": environment(), "reps": reps, "results": results, "sweep": sweep}
         record.update(batch_size_compiles=compiles, exact_path=_jsonable(exact))
         json.dump(dict(record, decided_fractions=fractions), f, indent=1)
     print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s; load average at end {_load()})")

@@ -266,6 +266,67 @@ def test_the_native_kernels_are_built_and_serve_cpu_calls():
     assert jax_native.available() and jax_moments._use_native()
 
 
+@pytest.mark.parametrize(
+    "shape,axes,keepdims,dtype",
+    [
+        ((3, 4, 5, 6), [1, 2], False, tf.float32),
+        ((3, 4, 5, 6), [0, 1], True, tf.float32),
+        ((3, 4, 5, 6), [1, 3], True, tf.float32),
+        ((30, 7), [0], False, tf.float16),
+        ((5, 8), [1], False, tf.complex64),
+    ],
+)
+def test_eager_calls_without_a_tape_are_one_native_op_with_the_bits_of_the_tape_path(
+    shape, axes, keepdims, dtype, monkeypatch
+):
+    """A TF eager call that nothing records runs the native op alone (contiguous axes: no
+    reshape, the op returns the kept shape); it gives the bits of the general path."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(1e3, 1.0, shape)
+    if dtype.is_complex:
+        x = x + 1j * rng.normal(-5.0, 2.0, shape)
+    x = tf.constant(x, dtype)
+    want = tf.nn.moments(tf.cast(x, tf.float32), axes, keepdims=keepdims)  # shapes only
+    with tf.GradientTape() as tape:  # a recording tape: the general (custom gradient) path
+        tape.watch(x)
+        slow = tf_stable_moments.moments(x, axes, keepdims=keepdims)
+    contiguous = axes == list(range(axes[0], axes[-1] + 1))
+    if contiguous:
+
+        def no_reshape(*args, **kwargs):
+            raise AssertionError("an eager call with contiguous axes reshaped")
+
+        monkeypatch.setattr(tf, "reshape", no_reshape)
+    fast = tf_stable_moments.moments(x, axes, keepdims=keepdims)
+    monkeypatch.undo()
+    for f, s, w in zip(fast, slow, want):
+        assert f.shape == w.shape and f.dtype == s.dtype
+        assert np.array_equal(bits(f.numpy()), bits(s.numpy()))
+
+
+def test_the_native_op_reads_a_range_of_axes_and_differentiates_directly():
+    """The op on x itself with reduced axes [1, 3) equals the rank-3 form on the reshaped
+    x bit for bit; its registered gradient is 1/n and 2 (x - mean) / (n - ddof)."""
+    from tf_stable_moments import _native as tf_native
+
+    op = tf_native.op()
+    x = tf.constant(np.random.default_rng(8).normal(0.0, 1.0, (3, 4, 5, 6)), tf.float32)
+    fmt = dict(ddof=1, precision=24, emin=-126, emax=128)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        mean, var, _ = op(x, axis_begin=1, axis_end=3, keepdims=True, **fmt)
+        loss = tf.reduce_sum(mean) + tf.reduce_sum(var * var)
+    flat, flat_var, _ = op(tf.reshape(x, [3, 20, 6]), **fmt)
+    assert mean.shape == (3, 1, 1, 6) and var.shape == (3, 1, 1, 6)
+    assert np.array_equal(bits(mean.numpy().ravel()), bits(flat.numpy().ravel()))
+    assert np.array_equal(bits(var.numpy().ravel()), bits(flat_var.numpy().ravel()))
+    grad = tape.gradient(loss, x).numpy()
+    x64 = x.numpy().astype(np.float64)
+    m64 = x64.mean(axis=(1, 2), keepdims=True)
+    want = 1 / 20 + 2 * var.numpy() * 2 * (x64 - m64) / 19
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
+
+
 def test_a_missing_native_kernel_warns_once_and_falls_back_with_the_same_bits(
     monkeypatch, tmp_path
 ):

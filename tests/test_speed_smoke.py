@@ -7,6 +7,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -51,3 +52,24 @@ def test_decided_fractions():
     assert got["N(1e6, 1)"] == (1.0, 1.0)
     assert got["tie"][0] < 1.0 and got["tie"][1] < 1.0
     assert got["tie"] == (63 / 64, 63 / 64)  # only the tie slice is left to the exact path
+
+
+def test_size_sweep_plot_is_written(tmp_path):
+    # The plot of benchmarks/speed.py --sweep from made-up timings (no timing here): every
+    # implementation of the sweep drawn, jit_compile at some sizes only, a PNG written.
+    pytest.importorskip("matplotlib")
+    names = list(speed.sweep_implementations())
+    rows = [
+        {
+            "elements": 2**k,
+            "median_s": {
+                n: 1e-4 * (i + 1) * 2 ** (k - 10)
+                for i, n in enumerate(names)
+                if n != speed.SWEEP_XLA or k in speed.SWEEP_XLA_POWERS
+            },
+        }
+        for k in speed.QUICK_SWEEP_POWERS
+    ]
+    path = tmp_path / "speed.png"
+    speed.plot_sweep(rows, str(path), "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

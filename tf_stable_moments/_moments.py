@@ -15,11 +15,11 @@ import warnings
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import record as _record
 
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
-from moments_core.native import layout as native_layout
 from tf_stable_moments import _native, _ops
 from tf_stable_moments._xla_context import in_xla_context
 
@@ -361,34 +361,63 @@ def _native_op():
     return _native.op()
 
 
-def _native_stats(op, x, axes, ddof, lo):
-    """(mean, mean_lo, var, undecided) from the native op.
+def _native_call(op, x, axes, ddof, keepdims=False):
+    """(mean, var, undecided) from one native op call, shaped like the kept axes (keepdims:
+    with the reduced axes as 1).
 
-    The op reads x as [outer, n, inner(, 2)] (moments_core.native.layout, as
-    the JAX binding does).  float16/bfloat16 data are
-    read as float32 (exact) and rounded to their own format by the op.
+    Contiguous reduced axes are the op's range [axis_begin, axis_end) of x itself: no
+    reshape before or after (the op reads x as [outer, n, inner(, 2)], the layout of
+    moments_core.native.layout).  Otherwise x is first transposed, kept axes first.
+    float16/bfloat16 data are read as float32 (exact) and rounded to their own format
+    by the op.
     """
     work = _compute_dtype(x.dtype)
     fmt = FORMATS[work.name]
     data = tf.float64 if work == tf.float64 else tf.float32
-    perm, shape = native_layout(_dims(x), axes)
-    y = x if perm is None else tf.transpose(x, perm)
+    ndim = x.shape.rank
+    y = x
+    contiguous = not axes or axes == tuple(range(axes[0], axes[-1] + 1))
+    if contiguous:
+        begin, end = (axes[0], axes[-1] + 1) if axes else (0, 0)
+    else:
+        kept = [a for a in range(ndim) if a not in axes]
+        y = tf.transpose(x, kept + list(axes))
+        begin, end = len(kept), ndim
     parts = 2 if x.dtype.is_complex else 1
     if parts == 2:
         y = tf.stack([tf.math.real(y), tf.math.imag(y)], -1)
-        shape.append(2)
     if y.dtype != data:
         y = tf.cast(y, data)
-    y = _reshape(y, tf.stack(shape) if any(tf.is_tensor(d) for d in shape) else shape)
     mean, var, undecided = op(
-        y, ddof=ddof, precision=fmt.precision, emin=fmt.emin, emax=fmt.emax, parts=parts
+        y,
+        ddof=ddof,
+        precision=fmt.precision,
+        emin=fmt.emin,
+        emax=fmt.emax,
+        parts=parts,
+        axis_begin=begin,
+        axis_end=end,
+        keepdims=keepdims and contiguous,
     )
-    out = _out_shape(x, axes, False)
     if parts == 2:
         mean = tf.complex(mean[..., 0], mean[..., 1])
-    else:
-        mean = tf.cast(mean, work) if work != data else mean
-    var = tf.cast(var, work) if work != data else var
+    elif work != data:
+        mean = tf.cast(mean, work)
+    if work != data:
+        var = tf.cast(var, work)
+    if keepdims and not contiguous:
+        shape = _out_shape(x, axes, True)
+        mean, var = tf.reshape(mean, shape), tf.reshape(var, shape)
+    return mean, var, undecided
+
+
+def _native_stats(op, x, axes, ddof, lo):
+    """(mean, mean_lo, var, undecided) from the native op (_native_call)."""
+    work = _compute_dtype(x.dtype)
+    fmt = FORMATS[work.name]
+    parts = 2 if x.dtype.is_complex else 1
+    mean, var, undecided = _native_call(op, x, axes, ddof)
+    out = _out_shape(x, axes, False)
     mean_lo = None
     if lo:  # a deterministic fixed-point sum (docs section 9): plain operations suffice
         laid = [_layout(p, axes) for p in _parts(x)]
@@ -404,7 +433,7 @@ def _native_stats(op, x, axes, ddof, lo):
         ]
         mean_lo = lows[0] if parts == 1 else tf.complex(lows[0], lows[1])
         mean_lo = _reshape(mean_lo, out)
-    return _reshape(mean, out), mean_lo, _reshape(var, out), undecided
+    return mean, mean_lo, var, undecided
 
 
 @tf.autograph.experimental.do_not_convert
@@ -476,6 +505,22 @@ def _moments_real(x, axes, ddof):
     return fn(x)
 
 
+def _eager_native(x, axes, keepdims, ddof):
+    """moments in eager mode by one native op call, or None where the general path serves:
+    a tape or forward accumulator that may record x (the analytic gradient), the native op
+    unavailable, a rank unknown.  Same validation, same results (the op's are certified)."""
+    op = _native_op()
+    if op is None or _record.could_possibly_record():
+        return None
+    x = tf.convert_to_tensor(x)
+    _compute_dtype(x.dtype)
+    if x.shape.rank is None:
+        return None
+    axes = _canonical_axes(axes, x.shape.rank)
+    mean, var, _ = _native_call(op, x, axes, _check_ddof(ddof), keepdims)
+    return mean, var
+
+
 @tf.autograph.experimental.do_not_convert
 def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     """Mean and variance of `x` over `axes`, correctly rounded: a drop-in for tf.nn.moments.
@@ -530,6 +575,10 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     0.0
     """
     del shift  # documented: ignored, as in tf.nn.moments
+    if tf.executing_eagerly():  # one op call where nothing needs the gradient
+        fast = _eager_native(x, axes, keepdims, ddof)
+        if fast is not None:
+            return fast
     with tf.name_scope(name or "moments"):
         x = tf.convert_to_tensor(x)
         _compute_dtype(x.dtype)

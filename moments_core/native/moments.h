@@ -5,7 +5,9 @@
 //
 //   1. fast sums (section 4): per slice, with K the slice's first element and y = x - K,
 //      S1 = sum y and S2 = sum y**2 in float64 (float64 pairs for float64 input), in an order
-//      chosen for speed (lanes, blocks, threads): the error bounds hold for any order;
+//      chosen for speed (lanes, four-row trees, per-thread partial sums, FMA for y*y + s):
+//      the error bounds hold for any order and any binary tree, with or without FMA (a
+//      contraction removes a rounding; each bound counts one per operation);
 //   2. the rounding test (section 5): the bounds of moments_core/_kernel.py `approximate`,
 //      `approximate_pairs`, `variance_of`, `certify`, term for term;
 //   3. the exact path (section 7) for the slices the test leaves open (and NaN/Inf):
@@ -19,13 +21,20 @@
 #define TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace stable_moments {
 
@@ -136,8 +145,8 @@ inline Nearest nearest(double a, const Format& f) {  // a > 0 normal
   double unit = pow2(e - (p - 1));
   double k = std::nearbyint(a * pow2((p - 1) - e));  // ties to even (default mode)
   double c = k * unit;
-  bool top = k == std::ldexp(1.0, p);
-  bool power = top || k == std::ldexp(1.0, p - 1);
+  bool top = k == pow2(p);
+  bool power = top || k == pow2(p - 1);
   double ulp = top ? unit + unit : unit;
   return {c, c - (power ? 0.25 * ulp : 0.5 * ulp), c + 0.5 * ulp};
 }
@@ -145,7 +154,7 @@ inline Nearest nearest(double a, const Format& f) {  // a > 0 normal
 // The correctly rounded value of every number within err of v = (h, l), if one exists.
 inline bool certify(Pair v, double err, const Format& f, double& out) {
   double h = v.h, l = v.l;
-  double tiny = std::ldexp(1.0, f.emin);
+  double tiny = pow2(f.emin);
   bool negative = h < 0;
   double a = std::fabs(h);
   double low = negative ? -l : l;
@@ -163,12 +172,12 @@ inline bool certify(Pair v, double err, const Format& f, double& out) {
     value = a;
   } else {
     zero = a < 0.25 * tiny && std::fabs(low) < 0.25 * tiny && err < 0.25 * tiny;
-    ok = a >= 0.25 * tiny && a < std::ldexp(1.0, 1000);
+    ok = a >= 0.25 * tiny && a < pow2(1000);
     double safe = ok ? a : 1.0;
     Nearest nr = nearest(safe, f);
     gap = std::min(nr.hi - safe, safe - nr.lo);
     value = nr.c;
-    if (value >= std::ldexp(1.0, f.emax)) value = std::numeric_limits<double>::infinity();
+    if (value >= pow2(f.emax)) value = std::numeric_limits<double>::infinity();
     if (value < tiny) value = 0.0;
   }
   bool decided = (ok && err + err < gap) || zero;
@@ -192,81 +201,159 @@ inline double flushed(T v, double tiny) {
 
 typedef double v4d __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 typedef int64_t v4i __attribute__((vector_size(32)));
 
-template <typename T>
-inline v4d load4(const T* p);
-template <>
-inline v4d load4<float>(const float* p) {
-  v4f f;
-  std::memcpy(&f, p, sizeof(f));
-  return __builtin_convertvector(f, v4d);
-}
-template <>
-inline v4d load4<double>(const double* p) {
+inline v4d splat4(double a) { return (v4d){a, a, a, a}; }
+inline v4d load4d(const double* p) {
   v4d d;
   std::memcpy(&d, p, sizeof(d));
   return d;
 }
+inline void store4d(double* p, v4d d) { std::memcpy(p, &d, sizeof(d)); }
 inline v4d flush4(v4d d, v4d tiny) {
   v4d a = (v4d)((v4i)d & (v4i){INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX});
   return a < tiny ? (v4d){0.0, 0.0, 0.0, 0.0} : d;
 }
+// y * y + acc: one rounding where the machine has FMA (a contraction removes a rounding:
+// the bounds of section 4 count one per operation), else two.
+inline v4d square_add(v4d y, v4d acc) {
+#ifdef __FMA__
+  return (v4d)_mm256_fmadd_pd((__m256d)y, (__m256d)y, (__m256d)acc);
+#else
+  return y * y + acc;
+#endif
+}
 
-// Rows [k0, k1) of the slices (o, i), i in [i0, i1), of x laid out [outer, n, inner]: their
-// sums are added into s1[i - i0], s2[i - i0] (pairs: l1, l2 too).  The order of the
-// additions (lanes of 4 x 4 for rows, one accumulator per column otherwise, blocks of rows
-// per thread) is free: every bound of section 4 holds for any order.
+// Eight consecutive inputs, flushed (|v| < tiny -> 0) and converted to float64 (exact), as
+// two vectors of four.  float32 data are flushed as float32 (8 lanes): tiny = 2**emin is a
+// float32 number for every format read as float32, so the comparison is the same.
 template <typename T>
-void accumulate(const T* x, int64_t n, int64_t inner, int64_t o, int64_t k0, int64_t k1,
-                int64_t i0, int64_t i1, const double* K, bool pairs, double tiny, double* s1,
-                double* l1, double* s2, double* l2) {
-  const T* base = x + o * n * inner;
-  if (inner == 1 && !pairs) {  // one contiguous slice: 16 lanes
-    const T* p = base;
-    const v4d kv = {K[0], K[0], K[0], K[0]}, tv = {tiny, tiny, tiny, tiny};
-    v4d a1[4] = {}, a2[4] = {};
-    int64_t k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      for (int j = 0; j < 4; ++j) {
-        v4d y = flush4(load4(p + k + 4 * j), tv) - kv;
-        a1[j] += y;
-        a2[j] += y * y;
-      }
-    }
-    double t1 = 0.0, t2 = 0.0;
-    for (; k < k1; ++k) {
-      double y = flushed(p[k], tiny) - K[0];
-      t1 += y;
-      t2 += y * y;
-    }
-    for (int j = 0; j < 4; ++j)
-      for (int q = 0; q < 4; ++q) {
-        t1 += a1[j][q];
-        t2 += a2[j][q];
-      }
-    s1[0] += t1;
-    s2[0] += t2;
-    return;
+struct Load8;
+template <>
+struct Load8<float> {
+  v8f tiny;
+  explicit Load8(double t) {
+    float f = static_cast<float>(t);
+    tiny = (v8f){f, f, f, f, f, f, f, f};
   }
-  const int64_t w = i1 - i0;
-  if (!pairs) {
-    for (int64_t k = k0; k < k1; ++k) {
-      const T* __restrict row = base + k * inner + i0;
-      double* __restrict a = s1;
-      double* __restrict b = s2;
-      const double* __restrict kk = K;
-      for (int64_t i = 0; i < w; ++i) {
-        double y = flushed(row[i], tiny) - kk[i];
-        a[i] += y;
-        b[i] += y * y;
+  void operator()(const float* p, v4d& lo, v4d& hi) const {
+    v8f v;
+    std::memcpy(&v, p, sizeof(v));
+    v8f a = (v8f)((v8i)v & (v8i){INT32_MAX, INT32_MAX, INT32_MAX, INT32_MAX, INT32_MAX,
+                                   INT32_MAX, INT32_MAX, INT32_MAX});
+    v = a < tiny ? (v8f){} : v;
+#ifdef __AVX__
+    lo = (v4d)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
+    hi = (v4d)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
+#else
+    lo = __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), v4d);
+    hi = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), v4d);
+#endif
+  }
+};
+template <>
+struct Load8<double> {
+  v4d tiny;
+  explicit Load8(double t) : tiny(splat4(t)) {}
+  void operator()(const double* p, v4d& lo, v4d& hi) const {
+    lo = flush4(load4d(p), tiny);
+    hi = flush4(load4d(p + 4), tiny);
+  }
+};
+
+// One contiguous slice p[0, m) (rows layout, float64 sums): s1 += sum y, s2 += sum y**2,
+// y = p[k] - K, in 4 x 4 lanes (16 consecutive inputs per step, 8 independent chains).
+template <typename T>
+void row_sums(const T* p, int64_t m, double K, double tiny, double& s1, double& s2) {
+  const Load8<T> load(tiny);
+  const v4d kv = splat4(K);
+  v4d a0 = {}, a1 = {}, a2 = {}, a3 = {}, b0 = {}, b1 = {}, b2 = {}, b3 = {};
+  int64_t k = 0;
+  for (; k + 16 <= m; k += 16) {
+    v4d y0, y1, y2, y3;
+    load(p + k, y0, y1);
+    load(p + k + 8, y2, y3);
+    y0 -= kv;
+    y1 -= kv;
+    y2 -= kv;
+    y3 -= kv;
+    a0 += y0;
+    a1 += y1;
+    a2 += y2;
+    a3 += y3;
+    b0 = square_add(y0, b0);
+    b1 = square_add(y1, b1);
+    b2 = square_add(y2, b2);
+    b3 = square_add(y3, b3);
+  }
+  v4d a = (a0 + a1) + (a2 + a3), b = (b0 + b1) + (b2 + b3);
+  double t1 = (a[0] + a[1]) + (a[2] + a[3]), t2 = (b[0] + b[1]) + (b[2] + b[3]);
+  for (; k < m; ++k) {
+    double y = flushed(p[k], tiny) - K;
+    t1 += y;
+    t2 += y * y;
+  }
+  s1 += t1;
+  s2 += t2;
+}
+
+// Rows [k0, k1) of a block [n, w] (columns layout, float64 sums, w >= 1): s1[i] += sum y,
+// s2[i] += sum y**2 over the column i, y = x[k, i] - K[i].  Four rows at a time: their
+// terms are added in a small tree, then into the column's sum (the memory is read in
+// order, the sums stay in cache and are loaded and stored once per four rows).
+template <typename T>
+void column_sums(const T* base, int64_t w, int64_t k0, int64_t k1, const double* K,
+                 double tiny, double* s1, double* s2) {
+  const Load8<T> load(tiny);
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const T* r0 = base + k * w;
+    const T* r1 = r0 + w;
+    const T* r2 = r1 + w;
+    const T* r3 = r2 + w;
+    int64_t i = 0;
+    for (; i + 8 <= w; i += 8) {
+      for (int h = 0; h < 2; ++h) {  // h: the low and high four of eight columns
+        v4d y[4][2];
+        load(r0 + i, y[0][0], y[0][1]);
+        load(r1 + i, y[1][0], y[1][1]);
+        load(r2 + i, y[2][0], y[2][1]);
+        load(r3 + i, y[3][0], y[3][1]);
+        const v4d kv = load4d(K + i + 4 * h);
+        v4d u0 = y[0][h] - kv, u1 = y[1][h] - kv, u2 = y[2][h] - kv, u3 = y[3][h] - kv;
+        v4d t1 = (u0 + u1) + (u2 + u3);
+        v4d t2 = square_add(u1, u0 * u0) + square_add(u3, u2 * u2);
+        store4d(s1 + i + 4 * h, load4d(s1 + i + 4 * h) + t1);
+        store4d(s2 + i + 4 * h, load4d(s2 + i + 4 * h) + t2);
       }
     }
-    return;
+    for (; i < w; ++i) {
+      double u0 = flushed(r0[i], tiny) - K[i], u1 = flushed(r1[i], tiny) - K[i];
+      double u2 = flushed(r2[i], tiny) - K[i], u3 = flushed(r3[i], tiny) - K[i];
+      s1[i] += (u0 + u1) + (u2 + u3);
+      s2[i] += (u0 * u0 + u1 * u1) + (u2 * u2 + u3 * u3);
+    }
   }
-  // float64 pairs: y = x - K exactly as (yh, yl); compensated sums of y and of y**2.
+  for (; k < k1; ++k) {
+    const T* __restrict row = base + k * w;
+    for (int64_t i = 0; i < w; ++i) {
+      double y = flushed(row[i], tiny) - K[i];
+      s1[i] += y;
+      s2[i] += y * y;
+    }
+  }
+}
+
+// float64 pairs, rows [k0, k1) of a block [n, w]: y = x - K exactly as (yh, yl);
+// compensated sums of y and of y**2 (two_sum on the high parts, the errors and low parts
+// added into l1, l2).
+template <typename T>
+void column_pair_sums(const T* base, int64_t w, int64_t k0, int64_t k1, const double* K,
+                      double tiny, double* s1, double* l1, double* s2, double* l2) {
   for (int64_t k = k0; k < k1; ++k) {
-    const T* row = base + k * inner + i0;
+    const T* row = base + k * w;
     for (int64_t i = 0; i < w; ++i) {
       double yh, yl, s, e, qh, ql;
       two_sum(flushed(row[i], tiny), -K[i], yh, yl);
@@ -281,15 +368,25 @@ void accumulate(const T* x, int64_t n, int64_t inner, int64_t o, int64_t k0, int
   }
 }
 
-constexpr int64_t kBlock = 512;  // columns per block
-
-// Partial sums of a task, one array per quantity (columns vectorise).
+// Partial sums of a task, one array per quantity (columns vectorise); l1, l2 only for
+// pairs.  Each array has 16 doubles of padding at its end, so that the sums of two threads
+// never share a cache line.
 struct SumArrays {
+  static constexpr size_t kPad = 16;
+  size_t m;
   std::vector<double> h1, l1, h2, l2;
-  explicit SumArrays(size_t m) : h1(m, 0.0), l1(m, 0.0), h2(m, 0.0), l2(m, 0.0) {}
-  Sums at(size_t s) const { return {h1[s], l1[s], h2[s], l2[s]}; }
-  void add(const SumArrays& b, bool pairs) {
-    for (size_t s = 0; s < h1.size(); ++s) {
+  SumArrays(size_t m_, bool pairs)
+      : m(m_),
+        h1(m + kPad, 0.0),
+        l1(pairs ? m + kPad : 0, 0.0),
+        h2(m + kPad, 0.0),
+        l2(pairs ? m + kPad : 0, 0.0) {}
+  Sums at(size_t s) const {
+    return l1.empty() ? Sums{h1[s], 0.0, h2[s], 0.0} : Sums{h1[s], l1[s], h2[s], l2[s]};
+  }
+  void add(const SumArrays& b) {
+    const bool pairs = !l1.empty();
+    for (size_t s = 0; s < m; ++s) {
       if (!pairs) {
         h1[s] += b.h1[s];
         h2[s] += b.h2[s];
@@ -305,6 +402,58 @@ struct SumArrays {
     }
   }
 };
+
+// The sums of blocks o in [o0, o1), rows [k0, k1), every column, added into out.
+template <typename T>
+void block_sums(const T* x, int64_t n, int64_t w, int64_t o0, int64_t o1, int64_t k0,
+                int64_t k1, const double* K, bool pairs, double tiny, SumArrays& out) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* base = x + o * n * w;
+    const size_t s = static_cast<size_t>(o * w);
+    if (pairs) {
+      column_pair_sums(base, w, k0, k1, K + s, tiny, &out.h1[s], &out.l1[s], &out.h2[s],
+                       &out.l2[s]);
+    } else if (w == 1) {
+      row_sums(base + k0, k1 - k0, K[s], tiny, out.h1[s], out.h2[s]);
+    } else {
+      column_sums(base, w, k0, k1, K + s, tiny, &out.h1[s], &out.h2[s]);
+    }
+  }
+}
+
+// Inputs below which one thread does all the work (starting threads costs more).
+constexpr int64_t kThreadMin = int64_t(1) << 20;
+
+// work(c, slot) for every chunk c < chunks, by the calling thread (slot 0) and up to
+// `helpers` detached threads (slots 1...), each claiming the next chunk while any is left.
+// Returns when every chunk is done.  A helper touches the caller's data only inside a chunk
+// it claimed; one that starts after the last chunk was claimed finds none and exits (it
+// holds the counters, not the caller's frame).  A thread that cannot be started is no error:
+// the others do its share.
+struct ChunkCounters {
+  std::atomic<int64_t> next{0}, done{0};
+};
+template <typename Work>
+void run_chunks(int helpers, int64_t chunks, const Work& work) {
+  auto counters = std::make_shared<ChunkCounters>();
+  auto body = [counters, chunks](int slot, const Work& w) {
+    for (;;) {
+      const int64_t c = counters->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      w(c, slot);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int h = 1; h <= helpers && h < chunks; ++h) {
+    try {
+      std::thread(body, h, work).detach();
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
+  body(0, work);
+  while (counters->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
 
 // ------------------------------------------------------------------ bounds (section 4)
 struct Approx {
@@ -545,38 +694,52 @@ class BinSums {
   using Bits = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
 
   explicit BinSums(const Format& f)
-      : tiny_(std::ldexp(1.0, f.emin)), s1_(B::kBins, 0), s2_(B::kBins, 0), c2_(B::kBins, 0) {}
+      : flush_below_(f.emin + B::kBias), s1_(B::kBins, 0), s2_(B::kBins, 0), c2_(B::kBins, 0) {}
 
-  void add(T v) {
-    Bits b;
-    std::memcpy(&b, &v, sizeof(T));
-    int e = static_cast<int>((b >> B::kMant) & (B::kBins - 1));
-    bool negative = (b >> (8 * sizeof(T) - 1)) & 1;
-    if (e == B::kBins - 1) {  // Inf or NaN
-      if (b & kMantMask) {
-        r_.nan = true;
-      } else {
-        (negative ? r_.ninf : r_.pinf) = true;
+  // The inputs x[k * stride], k < n, added into the bins.  Consecutive inputs of one
+  // exponent (the common case) are summed in registers first (a run: at most kRun
+  // inputs, so that the run's sum of m**2 fits its 128 bits: 2**20 m**2 < 2**126), then
+  // added into their bin: the same integers, added in another order.
+  void add(const T* x, int64_t n, int64_t stride) {
+    int cur = -1;  // the run's exponent field (no run yet)
+    __int128 r1 = 0;
+    unsigned __int128 r2 = 0;
+    int64_t count = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      Bits b;
+      std::memcpy(&b, x + k * stride, sizeof(T));
+      const int e = static_cast<int>((b >> B::kMant) & (B::kBins - 1));
+      if (e != cur || count == kRun) {
+        if (e == B::kBins - 1) {  // Inf or NaN
+          if (b & kMantMask) {
+            r_.nan = true;
+          } else {
+            ((b >> (8 * sizeof(T) - 1)) ? r_.ninf : r_.pinf) = true;
+          }
+          continue;
+        }
+        // |v| < 2**emin (zeros and subnormals too): flushed (section 2)
+        if (e < flush_below_) continue;
+        spill(cur, r1, r2);
+        cur = e;
+        count = 0;
       }
-      return;
+      const uint64_t m = static_cast<uint64_t>((b & kMantMask) | (Bits(1) << B::kMant));
+      r1 += (b >> (8 * sizeof(T) - 1)) ? -(__int128)m : (__int128)m;
+      r2 += (unsigned __int128)m * m;
+      ++count;
     }
-    if (std::fabs(static_cast<double>(v)) < tiny_) return;  // flushed (section 2); zeros
-    uint64_t m = static_cast<uint64_t>((b & kMantMask) | (Bits(1) << B::kMant));  // e > 0
-    s1_[e] += negative ? -(__int128)m : (__int128)m;
-    unsigned __int128 q = (unsigned __int128)m * m;
-    unsigned __int128 t = s2_[e] + q;
-    c2_[e] += t < q ? 1 : 0;
-    s2_[e] = t;
+    spill(cur, r1, r2);
   }
 
   // The bins added into big integers at their bit positions: bin e holds values
-  // m 2**(e - bias - mant) = m 2**(base + at).
+  // m 2**(e - bias - mant) = m 2**(base + at).  The bins are left empty for the next slice.
   ExactPart finish(const Format& f) {
     ExactPart r = r_;
+    r_ = ExactPart();
     const int base = f.base();
-    for (int e = 1; e < B::kBins - 1; ++e) {
-      int64_t at = static_cast<int64_t>(e) - B::kBias - B::kMant - base;
-      if (at < 0) continue;  // below the format's normal range: flushed, never filled
+    for (int e = lo_; e <= hi_; ++e) {
+      int64_t at = static_cast<int64_t>(e) - B::kBias - B::kMant - base;  // >= 0: not flushed
       if (s1_[e] != 0) {
         bool neg = s1_[e] < 0;
         unsigned __int128 mag = neg ? (unsigned __int128)(-s1_[e]) : (unsigned __int128)s1_[e];
@@ -584,7 +747,12 @@ class BinSums {
       }
       if (s2_[e] != 0) add_shifted(r.sq, s2_[e], 2 * at);
       if (c2_[e] != 0) add_shifted(r.sq, c2_[e], 2 * at + 128);
+      s1_[e] = 0;
+      s2_[e] = 0;
+      c2_[e] = 0;
     }
+    lo_ = B::kBins;
+    hi_ = -1;
     trim(r.pos);
     trim(r.neg);
     trim(r.sq);
@@ -593,17 +761,30 @@ class BinSums {
 
  private:
   static constexpr Bits kMantMask = (Bits(1) << B::kMant) - 1;
-  double tiny_;
+  static constexpr int64_t kRun = int64_t(1) << 20;
+  void spill(int e, __int128& r1, unsigned __int128& r2) {
+    if (e < 0) return;
+    s1_[e] += r1;
+    unsigned __int128 t = s2_[e] + r2;
+    c2_[e] += t < r2 ? 1 : 0;
+    s2_[e] = t;
+    lo_ = std::min(lo_, e);
+    hi_ = std::max(hi_, e);
+    r1 = 0;
+    r2 = 0;
+  }
+  int flush_below_;  // biased exponent of 2**emin: inputs with a smaller field flush to 0
   std::vector<__int128> s1_;
   std::vector<unsigned __int128> s2_;
   std::vector<uint64_t> c2_;
+  int lo_ = B::kBins, hi_ = -1;  // the bins filled since the last finish
   ExactPart r_;
 };
 
 template <typename T>
 ExactPart exact_part(const T* x, int64_t n, int64_t stride, const Format& f) {
   BinSums<T> bins(f);
-  for (int64_t k = 0; k < n; ++k) bins.add(x[k * stride]);
+  bins.add(x, n, stride);
   return bins.finish(f);
 }
 
@@ -663,45 +844,33 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
   std::vector<double> K(static_cast<size_t>(slices));
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t i = 0; i < width; ++i) K[o * width + i] = flushed(x[o * n * width + i], tiny);
-  // Work split: by slices when there are enough, else by rows; partial sums per task.
-  int64_t total = slices * n;
+  // Work split: chunks of blocks o when there are as many blocks as threads (disjoint
+  // sums), else chunks of rows, each participant adding its rows into sums of its own
+  // (added at the end); the memory of a chunk is contiguous either way.  One thread below
+  // kThreadMin inputs.  Chunks are claimed while they last (run_chunks): a helper thread
+  // that the machine runs late leaves its share to the others instead of delaying the call.
+  const int64_t total = slices * n;
   int T_ = std::max(1, threads);
-  if (total < (int64_t(1) << 16)) T_ = 1;
-  SumArrays acc(static_cast<size_t>(slices));
-  auto run_slices = [&](int64_t s0, int64_t s1, int64_t k0, int64_t k1, SumArrays& out) {
-    // slices [s0, s1) in (o, i) order, sums at out[s]; columns in blocks whose sums stay
-    // in the L1 cache while the rows stream past
-    int64_t s = s0;
-    while (s < s1) {
-      int64_t o = s / width, i0 = s % width;
-      int64_t i1 = std::min(width, i0 + std::min<int64_t>(s1 - s, kBlock));
-      accumulate(x, n, width, o, k0, k1, i0, i1, &K[s], pairs, tiny, &out.h1[s], &out.l1[s],
-                 &out.h2[s], &out.l2[s]);
-      s += i1 - i0;
-    }
-  };
+  if (total < kThreadMin) T_ = 1;
+  SumArrays acc(static_cast<size_t>(slices), pairs);
+  const double* Kp = K.data();
   if (T_ == 1) {
-    run_slices(0, slices, 0, n, acc);
-  } else if (slices >= T_ * 4 || n < 2 * T_) {
-    std::vector<std::thread> pool;
-    int64_t step = (slices + T_ - 1) / T_;
-    for (int t = 0; t < T_; ++t) {
-      int64_t s0 = t * step, s1 = std::min(slices, s0 + step);
-      if (s0 >= s1) break;
-      pool.emplace_back([&, s0, s1] { run_slices(s0, s1, 0, n, acc); });
-    }
-    for (auto& th : pool) th.join();
+    block_sums(x, n, width, 0, outer, 0, n, Kp, pairs, tiny, acc);
+  } else if (outer >= T_) {
+    const int64_t chunks = std::min<int64_t>(outer, 8 * T_), step = (outer + chunks - 1) / chunks;
+    run_chunks(T_ - 1, (outer + step - 1) / step, [&](int64_t c, int) {
+      block_sums(x, n, width, c * step, std::min(outer, (c + 1) * step), 0, n, Kp, pairs, tiny,
+                 acc);
+    });
   } else {
-    std::vector<SumArrays> part(T_, SumArrays(static_cast<size_t>(slices)));
-    std::vector<std::thread> pool;
-    int64_t step = (n + T_ - 1) / T_;
-    for (int t = 0; t < T_; ++t) {
-      int64_t k0 = t * step, k1 = std::min(n, k0 + step);
-      if (k0 >= k1) break;
-      pool.emplace_back([&, t, k0, k1] { run_slices(0, slices, k0, k1, part[t]); });
-    }
-    for (auto& th : pool) th.join();
-    for (int t = 0; t < T_; ++t) acc.add(part[t], pairs);
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(8 * T_, n / 64));
+    const int64_t step = (n + chunks - 1) / chunks;
+    std::vector<SumArrays> part(T_ - 1, SumArrays(static_cast<size_t>(slices), pairs));
+    run_chunks(T_ - 1, (n + step - 1) / step, [&](int64_t c, int slot) {
+      block_sums(x, n, width, 0, outer, c * step, std::min(n, (c + 1) * step), Kp, pairs, tiny,
+                 slot == 0 ? acc : part[slot - 1]);
+    });
+    for (auto& p : part) acc.add(p);
   }
   // Rounding test per slice; the slices it leaves open are listed for the exact path.
   const double nf = static_cast<double>(n);
@@ -743,31 +912,44 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
     }
   }
   res.undecided = static_cast<int64_t>(open.size());
-  // The exact path.  A slice that is a column is first gathered, with the other open
-  // columns of its o, while the rows stream past once (read alone, a column would miss the
-  // cache on every element); then each slice is binned from contiguous memory.
+  // The exact path.  Slices that are columns are first gathered, the open columns of one
+  // o together (up to a 16 MiB buffer, at least 64 columns), while the rows stream past
+  // once (read alone, a column would miss the cache on every element), into a buffer
+  // [n, columns] written in order; then each slice is binned from there (or, a row, from
+  // x itself).  One set of bins serves every slice (finish empties it).
+  BinSums<T> bins(f);
+  std::unique_ptr<T[]> buf;
+  const size_t group = std::max<size_t>(
+      64, (size_t(1) << 24) / (sizeof(T) * parts * static_cast<size_t>(n)));
+  if (width > 1 && !open.empty())
+    buf.reset(new T[std::min(open.size(), group) * parts * static_cast<size_t>(n)]);
+  std::vector<int64_t> cols;
   size_t at = 0;
-  std::vector<T> buf;
   while (at < open.size()) {
     const int64_t o = open[at] / inner;
     size_t end = at;
-    while (end < open.size() && open[end] / inner == o && end - at < 64) ++end;
+    while (end < open.size() && open[end] / inner == o && end - at < group) ++end;
     const T* block = x + o * n * width;
-    const size_t m = (end - at) * parts;
+    const int64_t m = static_cast<int64_t>(end - at) * parts;  // gathered columns
     if (width > 1) {
-      buf.resize(m * static_cast<size_t>(n));
+      cols.clear();  // the gathered columns' offsets in a row
+      for (size_t q = at; q < end; ++q)
+        for (int j = 0; j < parts; ++j) cols.push_back((open[q] % inner) * parts + j);
+      T* out = buf.get();
       for (int64_t k = 0; k < n; ++k) {
         const T* row = block + k * width;
-        for (size_t q = at; q < end; ++q)
-          for (int j = 0; j < parts; ++j)
-            buf[((q - at) * parts + j) * n + k] = row[(open[q] % inner) * parts + j];
+        for (const int64_t c : cols) *out++ = row[c];
       }
     }
     for (size_t q = at; q < end; ++q) {
       ExactPart ex[2];
       for (int j = 0; j < parts; ++j) {
-        const T* slice = width > 1 ? buf.data() + ((q - at) * parts + j) * n : block;
-        ex[j] = exact_part(slice, n, 1, f);
+        if (width > 1) {
+          bins.add(buf.get() + (q - at) * parts + j, n, m);
+        } else {
+          bins.add(block, n, 1);
+        }
+        ex[j] = bins.finish(f);
       }
       double means[2], var;
       exact_result(ex, parts, n, ddof, f, means, var);

@@ -66,8 +66,13 @@ def _stable_moments_grad(op, g_mean, g_var, _):
         return [None]
     x = op.inputs[0]
     mean, var = op.outputs[0], op.outputs[1]
-    n = tf.cast(tf.shape(x)[1], x.dtype)
+    begin, end = op.get_attr("axis_begin"), op.get_attr("axis_end")
+    shape = tf.shape(x)
+    keep = tf.concat([shape[:begin], tf.ones([end - begin], shape.dtype), shape[end:]], 0)
+    n = tf.cast(tf.reduce_prod(shape[begin:end]), x.dtype)
     ddof = tf.cast(op.get_attr("ddof"), x.dtype)
-    r = x - mean[:, None, :]
-    r = tf.where(tf.math.is_finite(var)[:, None, :], r, tf.zeros_like(r))
-    return [g_mean[:, None, :] / n + g_var[:, None, :] * (2 * r) / (n - ddof)]
+    mean, var = tf.reshape(mean, keep), tf.reshape(var, keep)
+    g_mean, g_var = tf.reshape(g_mean, keep), tf.reshape(g_var, keep)
+    r = x - mean
+    r = tf.where(tf.math.is_finite(var), r, tf.zeros_like(r))
+    return [g_mean / n + g_var * (2 * r) / (n - ddof)]

@@ -3,9 +3,16 @@
 //   x [outer, n, inner] (or [outer, n, inner, 2]: real and imaginary parts) of float/double
 //   -> mean [outer, inner] (or [outer, inner, 2]), variance [outer, inner], undecided [].
 //
+// More generally x has any shape (a last dimension 2 for parts = 2, not reduced) and the
+// reduced axes are the contiguous range [axis_begin, axis_end): outer is the product of
+// the dimensions before them, n of theirs, inner of those after; the results have x's
+// shape without the reduced axes (keepdims: with them as 1).  The defaults (1, 2) are
+// the rank-3 form above.  One op then serves a call: no reshape before or after.
+//
 // The target format (precision, emin, emax) is an attribute: float16 and bfloat16 data come
 // as float32 and their results are values of their own format (exactly castable back).
 #include <cstdint>
+#include <vector>
 
 #include "moments.h"
 #include "tensorflow/core/framework/op.h"
@@ -35,18 +42,39 @@ REGISTER_OP("StableMoments")
     .Attr("emin: int")
     .Attr("emax: int")
     .Attr("parts: int = 1")
+    .Attr("axis_begin: int = 1")
+    .Attr("axis_end: int = 2")
+    .Attr("keepdims: bool = false")
     .SetShapeFn([](InferenceContext* c) {
-      int parts;
+      int parts, begin, end;
+      bool keepdims;
       TF_RETURN_IF_ERROR(c->GetAttr("parts", &parts));
-      ShapeHandle x;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), parts == 1 ? 3 : 4, &x));
-      if (parts == 1) {
-        c->set_output(0, c->MakeShape({c->Dim(x, 0), c->Dim(x, 2)}));
-      } else {
-        c->set_output(0, c->MakeShape({c->Dim(x, 0), c->Dim(x, 2), c->Dim(x, 3)}));
-      }
-      c->set_output(1, c->MakeShape({c->Dim(x, 0), c->Dim(x, 2)}));
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_begin", &begin));
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
+      TF_RETURN_IF_ERROR(c->GetAttr("keepdims", &keepdims));
       c->set_output(2, c->Scalar());
+      ShapeHandle x = c->input(0);
+      if (!c->RankKnown(x)) {
+        c->set_output(0, c->UnknownShape());
+        c->set_output(1, c->UnknownShape());
+        return Status();
+      }
+      const int rank = c->Rank(x), data = rank - (parts == 2 ? 1 : 0);
+      if (begin < 0 || begin > end || end > data) {
+        return tensorflow::errors::InvalidArgument("StableMoments: reduced axes [", begin, ", ",
+                                                   end, ") do not fit rank ", rank);
+      }
+      std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+      for (int d = 0; d < data; ++d) {
+        if (d < begin || d >= end) {
+          dims.push_back(c->Dim(x, d));
+        } else if (keepdims) {
+          dims.push_back(c->MakeDim(1));
+        }
+      }
+      c->set_output(1, c->MakeShape(dims));
+      if (parts == 2) dims.push_back(c->Dim(x, data));
+      c->set_output(0, c->MakeShape(dims));
       return Status();
     });
 
@@ -62,24 +90,48 @@ class StableMomentsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &parts_));
     OP_REQUIRES(ctx, parts_ == 1 || parts_ == 2,
                 tensorflow::errors::InvalidArgument("StableMoments: parts must be 1 or 2"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_begin", &begin_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_end", &end_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("keepdims", &keepdims_));
     ddof_ = ddof;
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    OP_REQUIRES(ctx, x.dims() == (parts_ == 1 ? 3 : 4),
-                tensorflow::errors::InvalidArgument("StableMoments: x has rank ", x.dims()));
-    const int64_t outer = x.dim_size(0), n = x.dim_size(1), inner = x.dim_size(2);
+    const int rank = x.dims(), data = rank - (parts_ == 2 ? 1 : 0);
+    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
+                tensorflow::errors::InvalidArgument("StableMoments: reduced axes [", begin_,
+                                                    ", ", end_, ") do not fit rank ", rank));
+    OP_REQUIRES(ctx, parts_ == 1 || x.dim_size(data) == 2,
+                tensorflow::errors::InvalidArgument("StableMoments: parts 2 needs a last "
+                                                    "dimension 2"));
+    int64_t outer = 1, n = 1, inner = 1;
+    TensorShape var_shape;
+    for (int d = 0; d < data; ++d) {
+      const int64_t size = x.dim_size(d);
+      if (d < begin_) {
+        outer *= size;
+      } else if (d < end_) {
+        n *= size;
+      } else {
+        inner *= size;
+      }
+      if (d < begin_ || d >= end_) {
+        var_shape.AddDim(size);
+      } else if (keepdims_) {
+        var_shape.AddDim(1);
+      }
+    }
     OP_REQUIRES(ctx, n < (int64_t(1) << 46),
                 tensorflow::errors::InvalidArgument(
                     "moments: a slice of ", n, " elements exceeds the kernel's 2**46 limit"));
-    TensorShape mean_shape({outer, inner});
+    TensorShape mean_shape = var_shape;
     if (parts_ == 2) mean_shape.AddDim(2);
     Tensor* mean = nullptr;
     Tensor* var = nullptr;
     Tensor* undecided = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean_shape, &mean));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({outer, inner}), &var));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, var_shape, &var));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &undecided));
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     int threads = workers ? workers->num_threads : 1;
@@ -93,6 +145,8 @@ class StableMomentsOp : public OpKernel {
   stable_moments::Format format_;
   int64_t ddof_ = 0;
   int parts_ = 1;
+  int begin_ = 1, end_ = 2;
+  bool keepdims_ = false;
 };
 
 REGISTER_KERNEL_BUILDER(
