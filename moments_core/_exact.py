@@ -79,26 +79,24 @@ def digits_of(ops, v, base, length, fmt):
     return out
 
 
-def from_sums(ops, parts, n, ddof, fmt):
-    """Bit patterns of the means and the variance from exact shifted sums.
+def sums_digits(ops, parts, n, fmt):
+    """(S1 digits per part for the means, for the variance, S2 digits) from exact shifted
+    sums, for `finish`.
 
     parts: per real part [K, A, B] (float64 [rows]) with A = sum (x - K) and
     B = sum (x - K)**2 exact; then n mean = n K + A and n sum (x - mean)**2 =
-    n B - A**2, integers in units of 2**base and 2**(2 base).
+    n B - A**2 (the variance does not see the shift): integers in units of
+    2**base and 2**(2 base).  Digits not normalised.
     """
     l1, l2 = lengths(fmt)
-    num, means = None, []
+    means, shifted, s2 = [], [], None
     for k, a, b in parts:
-        da = normalise(ops, digits_of(ops, a, fmt.base, l1, fmt))
-        total = normalise(ops, digits_of(ops, k, fmt.base, l1, fmt) * ops.expand_dims(n, 1) + da)
-        negative = total[:, -1] < 0
-        means.append(to_float(ops, negate_if(ops, total, negative), [n], fmt.base, fmt, negative))
-        magnitude = negate_if(ops, da, da[:, -1] < 0)
-        term = digits_of(ops, b, 2 * fmt.base, l2, fmt) * ops.expand_dims(n, 1)
-        term = term - resize(ops, multiply(ops, magnitude, magnitude), l2)
-        num = term if num is None else num + term
-    d = ops.maximum(n - ddof, 1)
-    return means, to_float(ops, normalise(ops, num), [n, d], 2 * fmt.base, fmt)
+        da = digits_of(ops, a, fmt.base, l1, fmt)
+        means.append(digits_of(ops, k, fmt.base, l1, fmt) * ops.expand_dims(n, 1) + da)
+        shifted.append(da)
+        db = digits_of(ops, b, 2 * fmt.base, l2, fmt)
+        s2 = db if s2 is None else s2 + db
+    return means, shifted, s2
 
 
 def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
@@ -287,37 +285,47 @@ def exact_moments(ops, parts, valid, n, ddof, fmt, weights=None):
     Rows with n - ddof <= 0 get a meaningless variance (the caller replaces it).
     weights: None or int64 [rows, size] integer frequencies, n their sums: the
     weighted mean S1 / n and variance (n S2 - S1**2) / (n (n - ddof)).
-
-    The sums of all parts are carried, made non-negative and rounded as the rows
-    of one stacked array (k + 1 blocks for k parts), so that the compiled code
-    holds each carry loop and the rounding once, whatever the number of parts.
     """
     l1, l2 = lengths(fmt)
     s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2, weights)
-    k = len(s1s)
+    return finish(ops, s1s, s1s, s2, n, ddof, fmt)
+
+
+def finish(ops, means, shifted, s2, n, ddof, fmt):
+    """Bit patterns of the means S1 / n (per part) and of the variance
+    (n S2 - sum S1'**2) / (n (n - ddof)), from digits (not normalised, [rows, <= l2]).
+
+    means: the S1 of each part (the sum of its X); shifted: the S1' of each part that
+    goes with S2 (S1' = S1 for sums of the elements; shifted sums, see `sums_digits`).
+    Everything is carried, made non-negative and rounded as the blocks of one stacked
+    array, so that compiled code holds each carry loop and the rounding once, whatever
+    the number of parts and whichever sums the rows come from.
+    """
+    l1, l2 = lengths(fmt)
+    k = len(means)
     rows = ops.shape(s2, 0)
-    sums = normalise(ops, ops.concat([resize(ops, s, l2) for s in [*s1s, s2]], 0))
-    block = ops.iota(k + 1, "int64")
-    negative = ops.reshape(sums[:, -1] < 0, [k + 1, rows])  # S2 >= 0: never negative
-    sums = negate_if(ops, sums, ops.reshape(negative, [-1]))
-    num = sums[k * rows :] * ops.expand_dims(n, 1)
-    for i in range(k):
-        magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1| < 2**(16 l1)
+    blocks = [*means, *shifted, s2]
+    sums = normalise(ops, ops.concat([resize(ops, b, l2) for b in blocks], 0))
+    negative = sums[:, -1] < 0  # S2 >= 0: never negative
+    sums = negate_if(ops, sums, negative)
+    num = sums[2 * k * rows :] * ops.expand_dims(n, 1)
+    for i in range(k, 2 * k):
+        magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1'| < 2**(16 l1)
         num = num - resize(ops, multiply(ops, magnitude, magnitude), l2)
     num = normalise(ops, num)
     d = ops.maximum(n - ddof, 1)
     ones = ops.ones_like(n)
     # Means S1 / (n * 1) * 2**base, the variance N / (n d) * 2**(2 base).
     divisors = [ops.concat([n] * (k + 1), 0), ops.concat([ones] * k + [d], 0)]
-    offset = ops.reshape(
-        ops.expand_dims(ops.where(ops.eq(block, k), 2 * fmt.base, fmt.base), 1) + 0 * n, [-1]
-    )
+    block = ops.iota(k + 1, "int64")
+    offset = ops.expand_dims(ops.where(ops.eq(block, k), 2 * fmt.base, fmt.base), 1) + 0 * n
+    signs = ops.concat([negative[: k * rows], ops.zeros_like(negative[:rows])], 0)
     bits = to_float(
         ops,
         ops.concat([sums[: k * rows], num], 0),
         divisors,
-        offset,
+        ops.reshape(offset, [-1]),
         fmt,
-        ops.reshape(negative, [-1]),
+        signs,
     )
     return [bits[i * rows : (i + 1) * rows] for i in range(k)], bits[k * rows :]

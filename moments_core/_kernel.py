@@ -375,8 +375,7 @@ def _weights(mask):
 def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None):
     """The fast path and its rounding test: (means, var, todo, sums), todo marking the
     slices it did not decide (their values are meaningless until `exact_fix`), sums
-    what `exact_fix` can round exactly without the elements (float64 sums, and
-    only for ops that are not compiled: see below).
+    what `exact_fix` can round exactly without the elements (float64 sums only).
     mask: see `slice_moments`; float64 parts with weights take the exact path."""
     weights = _weights(mask)
     if weights is not None and not fmt.wide:
@@ -418,10 +417,7 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         decided = ops.zeros_like(decided)
     means, var = _special_counts(ops, means, var, c, ddof)
     todo = ~decided
-    if pairs or ops.compiled:
-        # Compiled (XLA): no rounding from the sums.  Its loop would double the exact
-        # path's compile time (about 3 s of 7 s on CPU); the slices it serves (exact
-        # ties) take the element loop instead, which gives the same bits.
+    if pairs:
         return means, var, todo, []
     exact = approx[0][0].exact
     for a, _ in approx[1:]:
@@ -442,13 +438,15 @@ def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=(), mask=No
     kept = ops.shape(parts[0], 1 - axis)
     if isinstance(kept, int) and kept == 0:  # no slices: nothing to recompute
         return _special_counts(ops, means, var, c, ddof)
+    per_part, from_sums = None, None
     if len(sums):
         exact, flat = sums[0], list(sums[1:])
         per_part = [flat[3 * i : 3 * i + 3] for i in range(len(parts))]
         from_sums = todo & exact
-        means, var = _sums_loop(ops, per_part, c, ddof, fmt, from_sums, means, var, mask)
         todo = todo & ~from_sums
-    means, var = _exact_loop(ops, parts, axis, c, ddof, fmt, n, todo, means, var, mask)
+    means, var = _exact_loop(
+        ops, parts, axis, c, ddof, fmt, n, todo, means, var, mask, per_part, from_sums
+    )
     return _special_counts(ops, means, var, c, ddof)
 
 
@@ -466,28 +464,53 @@ def _special_counts(ops, means, var, c, ddof):
     return means, var
 
 
-def _batched(ops, todo, batch, compute, values):
-    """values updated by compute(idx) on the slices marked in todo, `batch` at a time.
+def _pick(ops, todo, batch):
+    """(gather, write): the first `batch` slices marked in todo ([batch] int64, top_k of
+    their position).  todo ends with a dummy slot that is never marked; `gather` repeats
+    the first pick in unused places (a valid slice to compute on), `write` sends those
+    places to the dummy slot, so that no slice is written twice in one scatter."""
+    size = ops.shape(todo, 0)
+    key = ops.where(todo, ops.cast(size - ops.iota(size, "int64"), "float64"), 0.0)
+    key = ops.concat([key, ops.zeros([batch], "float64")], 0)
+    vals, idx = ops.top_k(key, batch)
+    idx = ops.cast(idx, "int64")
+    used = vals > 0
+    gather = ops.minimum(ops.where(used, idx, idx[0]), size - 2)  # a real slice, always
+    return gather, ops.where(used, idx, size - 1)
 
-    compute(idx) returns new values for the slices idx ([batch] int64); the
-    selected slices are the first undecided ones (top_k of their position);
-    unused places repeat the first one, so every scatter writes one value.
-    """
-    kept = ops.shape(todo, 0)
-    index = ops.iota(kept, "int64")
 
-    def body(todo, *values):
-        key = ops.where(todo, ops.cast(kept - index, "float64"), 0.0)
-        key = ops.concat([key, ops.zeros([batch], "float64")], 0)
-        vals, idx = ops.top_k(key, batch)
-        idx = ops.cast(idx, "int64")
-        idx = ops.where(vals > 0, idx, idx[0])
-        new = compute(idx)
-        values = [ops.scatter(v, idx, nv) for v, nv in zip(values, new)]
-        return (ops.scatter(todo, idx, ops.zeros([batch], "bool")), *values)
+def _batched(ops, todos, batches, compute, values):
+    """values updated on the slices marked in todos, batches[g] of todos[g] at a time.
 
-    state = ops.while_loop(lambda todo, *_: ops.any(todo), body, (todo, *values))
-    return list(state[1:])
+    One while loop: each iteration picks up to batches[g] marked slices of every group
+    g and calls compute(picks) once (picks: one [batches[g]] index array per group), which
+    returns the new values of all picked slices, group after group ([sum(batches)] each).
+    Unused places (and every place of a group with none left) compute on some slice and
+    are written to a dummy slot (appended here, removed at the end)."""
+    groups = len(batches)
+
+    def body(*state):
+        todos, values = state[:groups], state[groups:]
+        picks = [_pick(ops, t, b) for t, b in zip(todos, batches)]
+        new = compute([gather for gather, _ in picks])
+        write = ops.concat([w for _, w in picks], 0)
+        values = [ops.scatter(v, write, nv) for v, nv in zip(values, new)]
+        todos = [
+            ops.scatter(t, w, ops.zeros([b], "bool")) for t, (_, w), b in zip(todos, picks, batches)
+        ]
+        return (*todos, *values)
+
+    def pending(*state):
+        out = None
+        for t in state[:groups]:
+            out = ops.any(t) if out is None else (out | ops.any(t))
+        return out
+
+    start = [ops.concat([t, ops.zeros([1], "bool")], 0) for t in todos]
+    start += [ops.concat([v, ops.zeros([1], "float64")], 0) for v in values]
+    state = ops.while_loop(pending, body, tuple(start))
+    kept = ops.shape(values[0], 0)
+    return [v[:kept] for v in state[groups:]]
 
 
 def _rows(ops, x, idx, axis):
@@ -496,8 +519,13 @@ def _rows(ops, x, idx, axis):
     return r if axis == 1 else ops.transpose(r)
 
 
-def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None):
-    """The exact path for the slices in `todo`, BATCH at a time (section 7).
+def _exact_loop(
+    ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None, sums=None, from_sums=None
+):
+    """The exact path (section 7): the slices in `todo` from their elements, BATCH at a
+    time, and those in `from_sums` (their fast float64 sums were exact: `sums`, per part
+    [K, A, B]) from those sums alone, SUMS_BATCH at a time, in one loop whose iterations
+    round both kinds together (`_exact.finish`: compiled code holds the rounding once).
 
     xs: the parts as given (flushed here, on the gathered slices only)."""
     size = ops.shape(xs[0], axis)
@@ -507,7 +535,8 @@ def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None):
     count = ops.cast(c.n, "int64")
     weights = _weights(mask)
 
-    def compute(idx):
+    def compute(idxs):
+        idx = idxs[0]
         rows = [flush(ops, _rows(ops, x, idx, axis), fmt) for x in xs]
         w = ok = None
         if weights is not None:
@@ -516,58 +545,79 @@ def _exact_loop(ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None):
         elif mask is not None:
             ok = _rows(ops, mask, idx, axis)
         k = count if mask is None else ops.take(count, idx, 0)
-        m_new, v_new = _exact_rows(ops, rows, valid if ok is None else ok, k, ddof, fmt, w)
-        return [v_new, *m_new]
+        n_rows = ops.zeros([BATCH], "int64") + k
+        clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
+        l1, l2 = _exact.lengths(fmt)
+        s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
+        blocks = ([s1s], [s1s], [s2], [n_rows])
+        if sums is not None:
+            picked = [[ops.take(v, idxs[1], 0) for v in part] for part in sums]
+            k = count if mask is None else ops.take(count, idxs[1], 0)
+            n_sums = ops.zeros([SUMS_BATCH], "int64") + k
+            m, sh, q = _exact.sums_digits(ops, picked, n_sums, fmt)
+            blocks = ([s1s, m], [s1s, sh], [s2, q], [n_rows, n_sums])
+        cat = [
+            [
+                ops.concat([_exact.resize(ops, g[j], l2) for g in blocks[i]], 0)
+                for j in range(len(xs))
+            ]
+            for i in range(2)
+        ]
+        s2_all = ops.concat([_exact.resize(ops, g, l2) for g in blocks[2]], 0)
+        n_all = ops.concat(blocks[3], 0)
+        mean_bits, var_bits = _exact.finish(ops, cat[0], cat[1], s2_all, n_all, ddof, fmt)
+        means_new = [ops.from_bits(b, fmt) for b in mean_bits]
+        var_new = ops.from_bits(var_bits, fmt)
+        if sums is None:
+            return _special_rows(ops, special, means_new, var_new)
+        # Slices rounded from their sums are finite (their sums were exact).
+        cut = [[m[:BATCH] for m in means_new], var_new[:BATCH]]
+        var_e, *means_e = _special_rows(ops, special, cut[0], cut[1])
+        return [
+            ops.concat([var_e, var_new[BATCH:]], 0),
+            *[ops.concat([a, b[BATCH:]], 0) for a, b in zip(means_e, means_new)],
+        ]
 
-    out = _batched(ops, todo, BATCH, compute, [var, *means])
+    todos, batches = [todo], [BATCH]
+    if sums is not None:
+        todos, batches = [todo, from_sums], [BATCH, SUMS_BATCH]
+    out = _batched(ops, todos, batches, compute, [var, *means])
     return out[1:], out[0]
 
 
-def _sums_loop(ops, sums, c, ddof, fmt, todo, means, var, mask=None):
-    """Slices whose fast sums were exact: rounded exactly from the sums alone (section 7)."""
-    count = ops.cast(c.n, "int64")
-
-    def compute(idx):
-        picked = [[ops.take(v, idx, 0) for v in part] for part in sums]
-        k = count if mask is None else ops.take(count, idx, 0)
-        n = ops.zeros([SUMS_BATCH], "int64") + k
-        mean_bits, var_bits = _exact.from_sums(ops, picked, n, ddof, fmt)
-        return [ops.from_bits(var_bits, fmt), *[ops.from_bits(b, fmt) for b in mean_bits]]
-
-    out = _batched(ops, todo, SUMS_BATCH, compute, [var, *means])
-    return out[1:], out[0]
-
-
-def _exact_rows(ops, rows, valid, count, ddof, fmt, weights=None):
-    """Exact means and variance of BATCH slices [BATCH, size], with special values.
-
-    valid: None or bool [1 or BATCH, size] (elements that count); weights: None
-    or int64 [BATCH, size] integer frequencies (then count is their sum)."""
+def _clean_rows(ops, rows, valid):
+    """(rows with non-finite and unselected elements 0, per part (nan, +inf, -inf) flags)."""
     finite = [ops.isfinite(r) for r in rows]
     if valid is not None:
         finite = [f & valid for f in finite]
     clean = [ops.where(f, r, ops.zeros_like(r)) for f, r in zip(finite, rows)]
-    n = ops.zeros([BATCH], "int64") + count
-    mean_bits, var_bits = _exact.exact_moments(ops, clean, None, n, ddof, fmt, weights)
+
+    def within(m):
+        return m if valid is None else m & valid
+
+    special = [
+        (
+            ops.any(within(ops.isnan(r)), 1),
+            ops.any(within(ops.eq(r, float("inf"))), 1),
+            ops.any(within(ops.eq(r, float("-inf"))), 1),
+        )
+        for r in rows
+    ]
+    return clean, special
+
+
+def _special_rows(ops, special, means, var):
+    """[var, *means] of exact rows with the special values of section 8 put in."""
     nan, inf = float("nan"), float("inf")
-    means, any_special = [], None
-
-    def within(mask):
-        return mask if valid is None else mask & valid
-
-    for r, bits in zip(rows, mean_bits):
-        has_nan = ops.any(within(ops.isnan(r)), 1)
-        pos = ops.any(within(ops.eq(r, inf)), 1)
-        neg = ops.any(within(ops.eq(r, -inf)), 1)
-        special = has_nan | pos | neg
-        value = ops.from_bits(bits, fmt)
+    out, any_special = [], None
+    for (has_nan, pos, neg), value in zip(special, means):
         value = ops.where(
             has_nan | (pos & neg), nan, ops.where(pos, inf, ops.where(neg, -inf, value))
         )
-        means.append(value)
-        any_special = special if any_special is None else (any_special | special)
-    var = ops.where(any_special, nan, ops.from_bits(var_bits, fmt))
-    return means, var
+        out.append(value)
+        flag = has_nan | pos | neg
+        any_special = flag if any_special is None else (any_special | flag)
+    return [ops.where(any_special, nan, var), *out]
 
 
 # ---------------------------------------------------------------- mean_lo (section 9)
