@@ -586,8 +586,9 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
             raise ValueError("moments: x must have a known rank; got a tensor of unknown rank")
         axes = _canonical_axes(axes, x.shape.rank)
         ddof = _check_ddof(ddof)
-        if x.dtype.is_complex:
-            mean, _, var = stats(x, axes, ddof, lo=False)
+        if x.dtype.is_complex:  # not differentiable (as the native op's gradient says):
+            # a recording tape must not trace the XLA kernel (it has no gradient to trace)
+            mean, _, var = stats(tf.stop_gradient(x), axes, ddof, lo=False)
         else:
             mean, var = _moments_real(x, axes, ddof)
         shape = _out_shape(x, axes, keepdims)
