@@ -549,34 +549,37 @@ def _exact_loop(
         clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
         l1, l2 = _exact.lengths(fmt)
         s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
-        blocks = ([s1s], [s1s], [s2], [n_rows])
+        # Blocks of rows to stack: per part the S1 of the means and the S1' that goes
+        # with S2 (the same for the elements), S2 and the counts.
+        means_d, shifted_d, s2s, ns = [[s] for s in s1s], [[s] for s in s1s], [s2], [n_rows]
         if sums is not None:
             picked = [[ops.take(v, idxs[1], 0) for v in part] for part in sums]
             k = count if mask is None else ops.take(count, idxs[1], 0)
             n_sums = ops.zeros([SUMS_BATCH], "int64") + k
             m, sh, q = _exact.sums_digits(ops, picked, n_sums, fmt)
-            blocks = ([s1s, m], [s1s, sh], [s2, q], [n_rows, n_sums])
-        cat = [
-            [
-                ops.concat([_exact.resize(ops, g[j], l2) for g in blocks[i]], 0)
-                for j in range(len(xs))
-            ]
-            for i in range(2)
-        ]
-        s2_all = ops.concat([_exact.resize(ops, g, l2) for g in blocks[2]], 0)
-        n_all = ops.concat(blocks[3], 0)
-        mean_bits, var_bits = _exact.finish(ops, cat[0], cat[1], s2_all, n_all, ddof, fmt)
+            for j in range(len(xs)):
+                means_d[j].append(m[j])
+                shifted_d[j].append(sh[j])
+            s2s.append(q)
+            ns.append(n_sums)
+            # Slices rounded from their sums are finite (their sums were exact).
+            none = ops.zeros([SUMS_BATCH], "bool")
+            special = [tuple(ops.concat([f, none], 0) for f in flags) for flags in special]
+
+        def stack(blocks):
+            return ops.concat([_exact.resize(ops, b, l2) for b in blocks], 0)
+
+        mean_bits, var_bits = _exact.finish(
+            ops,
+            [stack(b) for b in means_d],
+            [stack(b) for b in shifted_d],
+            stack(s2s),
+            ops.concat(ns, 0),
+            ddof,
+            fmt,
+        )
         means_new = [ops.from_bits(b, fmt) for b in mean_bits]
-        var_new = ops.from_bits(var_bits, fmt)
-        if sums is None:
-            return _special_rows(ops, special, means_new, var_new)
-        # Slices rounded from their sums are finite (their sums were exact).
-        cut = [[m[:BATCH] for m in means_new], var_new[:BATCH]]
-        var_e, *means_e = _special_rows(ops, special, cut[0], cut[1])
-        return [
-            ops.concat([var_e, var_new[BATCH:]], 0),
-            *[ops.concat([a, b[BATCH:]], 0) for a, b in zip(means_e, means_new)],
-        ]
+        return _special_rows(ops, special, means_new, ops.from_bits(var_bits, fmt))
 
     todos, batches = [todo], [BATCH]
     if sums is not None:

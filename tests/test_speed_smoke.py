@@ -7,7 +7,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -57,7 +56,8 @@ def test_decided_fractions():
 def test_size_sweep_plot_is_written(tmp_path):
     # The plot of benchmarks/speed.py --sweep from made-up timings (no timing here): every
     # implementation of the sweep drawn, jit_compile at some sizes only, a PNG written.
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (a test dependency: never skipped)
+
     names = list(speed.sweep_implementations())
     rows = [
         {
