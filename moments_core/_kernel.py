@@ -148,6 +148,7 @@ class Approx(NamedTuple):
     num_err: object
     sums: tuple = None  # (K, sum y, sum y**2) (float64 sums only)
     exact: object = None  # where those sums are exact
+    grid: object = None  # q: every input of the slice is a multiple of q (float64 sums only)
 
 
 def approximate(ops, x, first, axis, c, fmt, w=None):
@@ -187,9 +188,9 @@ def approximate(ops, x, first, axis, c, fmt, w=None):
     unit = pow2(ops, ops.minimum(exponent(ops, smallest), 1000) - (fmt.precision - 1))
     exact = ops.isfinite(smallest) & (b_up <= 2.0**52 * unit * unit)
     exact = exact & (n * b_up <= 2.0**104 * unit * unit) & ~bad
-    d2 = g2 * b_up
     a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
-    d1 = g1 * a_abs * MARGIN
+    d2 = ops.where(exact, 0.0, g2 * b_up)
+    d1 = ops.where(exact, 0.0, g1 * a_abs * MARGIN)
     t = s1 * c.rn[0]
     mean = k + t
     mean_err = ((d1 + 3.0 * U * ops.abs(s1)) * c.rn[0] * MARGIN + U * ops.abs(t)) * MARGIN
@@ -199,7 +200,8 @@ def approximate(ops, x, first, axis, c, fmt, w=None):
     num = s2 - corr
     num_err = (d2 + d_corr + U * ops.abs(num)) * MARGIN
     zero = ops.zeros_like(num)
-    return Approx((mean, zero), mean_err, (num, zero), num_err, (k, s1, s2), exact), bad
+    approx = Approx((mean, zero), mean_err, (num, zero), num_err, (k, s1, s2), exact, unit)
+    return approx, bad
 
 
 def approximate_pairs(ops, x, first, axis, c, fmt):
@@ -261,6 +263,29 @@ def variance_of(ops, num, num_err, c, pairs):
     return (v, ops.zeros_like(v)), err
 
 
+def variance_from_exact_sums(ops, a, c):
+    """(var, error bound) from the sums of `approximate` where they are exact (a.exact).
+
+    With s1 = A and s2 = B exact, N = B - A**2 / n in pair arithmetic: t = A rn
+    (error <= 17 u**2 |t|, rn a pair within u**2 / n of 1/n), C = t A (<= 33 u**2 |C|),
+    N~ = B - C (<= 8 u**2 (B + |C|) more), var = N~ rd as a pair (<= 17 u**2 |var| more)
+    and its float64 sum (<= u |var|): about u |var| in all, where the float64
+    evaluation of `approximate` errs by up to 8 u |var|; ties of exact sums (section 5)
+    need the smaller bound once n (n - ddof) exceeds about 2**22.
+    """
+    _, s1, s2 = a.sums
+    zero = ops.zeros_like(s1)
+    t = df_mul(ops, s1, zero, *c.rn)
+    corr = df_mul(ops, *t, s1, zero)
+    num = df_add(s2, zero, -corr[0], -corr[1])
+    v = df_mul(ops, *num, *c.rd)
+    var = v[0] + v[1]
+    u2 = U * U
+    num_err = (8.0 * u2 * (ops.abs(s2) + ops.abs(corr[0])) + 33.0 * u2 * ops.abs(corr[0])) * MARGIN
+    err = (num_err * c.rd[0] + u2 * ops.abs(num[0]) * c.rd[0] + 17.0 * u2 * ops.abs(v[0])) * MARGIN
+    return var, (err + U * ops.abs(var)) * MARGIN
+
+
 # ---------------------------------------------------------------- rounding test (section 5)
 def nearest(ops, a, fmt):
     """For a > 0 (float64, normal): the float of `fmt` nearest to a (ties to even, unbounded
@@ -278,14 +303,24 @@ def nearest(ops, a, fmt):
     return c, lo, hi
 
 
-def certify(ops, v, err, fmt):
+def certify(ops, v, err, fmt, tie=None):
     """(value, decided): the correctly rounded value of every number within err of v.
 
     v: float64 pair (h, l); for formats of precision <= 24 the pair's low part is 0.
     decided is False where the interval [v - err, v + err] contains a rounding
     boundary (a midpoint), or where the test does not apply (tiny or non-finite v);
-    those slices take the exact path.  Ties are never decided here: a slice whose
-    interval touches a midpoint goes to the exact path, which rounds ties to even.
+    those slices take the exact path.  Ties are not decided here unless `tie` says
+    that the exact value lies on a lattice: a slice whose interval touches a midpoint
+    goes to the exact path, which rounds ties to even.
+
+    tie: None, or (where, grid, scale) for formats of precision <= 24: where it holds,
+    the exact value times D lies in grid * Z for an integer D with 1/D >= scale
+    (1 + 2**-19) (grid a power of two).  Every midpoint M is a multiple of h, a
+    quarter of the unit of the candidate, so the exact value V != M is at least
+    sep = min(grid, h) / D away from M.  Where 2 err < sep, the interval holds at
+    most one midpoint (2 err < h), and it holds one only if V equals it: if the
+    nearest midpoint M is within err of v, V = M and rounds half to even; else no
+    midpoint is in the interval and V rounds to the candidate.
     """
     h, l = v
     tiny = 2.0**fmt.emin
@@ -308,10 +343,19 @@ def certify(ops, v, err, fmt):
         ok = (a >= 0.25 * tiny) & (a < 2.0**1000)
         safe = ops.where(ok, a, ops.ones_like(a))
         value, lo, hi = nearest(ops, safe, fmt)
-        gap = ops.minimum(hi - safe, safe - lo)
+        gap = ops.minimum(hi - safe, safe - lo)  # exact: safe / 2 < lo < safe < hi < 2 safe
+        if tie is not None:
+            where, grid, scale = tie
+            unit = pow2(ops, exponent(ops, safe) - (fmt.precision - 1))
+            sep = ops.minimum(grid, 0.25 * unit) * scale * (1.0 - 2.0**-18)
+            mid = ops.where(hi - safe <= safe - lo, hi, lo)
+            on_lattice = ok & where & (err + err < sep)
+            value = ops.where(on_lattice & (gap <= err), nearest(ops, mid, fmt)[0], value)
         value = ops.where(value >= 2.0**fmt.emax, float("inf"), value)
         value = ops.where(value < tiny, 0.0, value)
     decided = (ok & (err + err < gap)) | zero
+    if tie is not None:
+        decided = decided | on_lattice
     value = ops.where(zero, 0.0, value)
     value = ops.where(negative & ops.ne(value, 0.0), -value, value)
     return value, decided
@@ -397,9 +441,12 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
     bad = approx[0][1]
     for _, b in approx[1:]:
         bad = bad | b
+    # One real part with float64 sums: ties of exact sums are decided here (`certify`).
+    lattice = len(approx) == 1 and not pairs
     means, decided = [], ~bad
     for a, _ in approx:
-        m, ok = certify(ops, a.mean, a.mean_err, fmt)
+        tie = (a.exact, a.grid, c.rn[0]) if lattice else None
+        m, ok = certify(ops, a.mean, a.mean_err, fmt, tie)
         means.append(m)
         decided = decided & ok
     if len(approx) == 1:
@@ -407,7 +454,14 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
     else:
         num, num_err = combine_nums(ops, approx[0][0], approx[1][0], pairs)
     v, v_err = variance_of(ops, num, num_err, c, pairs)
-    var, ok = certify(ops, v, v_err, fmt)
+    tie = None
+    if lattice:
+        a = approx[0][0]
+        tie = (a.exact, a.grid * a.grid, c.rn[0] * c.rd[0])
+        v_exact, err_exact = variance_from_exact_sums(ops, a, c)
+        v = (ops.where(a.exact, v_exact, v[0]), v[1])
+        v_err = ops.where(a.exact, err_exact, v_err)
+    var, ok = certify(ops, v, v_err, fmt, tie)
     defined = c.n - ddof > 0  # a Python bool for a static count
     if isinstance(defined, bool):
         decided = (decided & ok) if defined else decided

@@ -177,6 +177,104 @@ def test_exact_path_alone_gives_the_oracle_and_the_fast_path_bits(name, mode):
         np.testing.assert_array_equal(bits(f), bits(e))
 
 
+# Ties whose fast float64 sums are exact are decided by the fast path itself: the exact
+# value lies on the lattice of the inputs (section 5), so an interval narrower than the
+# lattice's spacing that touches a midpoint holds exactly that midpoint.
+TIE_GROUPS = {
+    key: rows
+    for key, rows in rounding_fixtures.stacked(
+        {
+            k: v
+            for k, v in FIXTURES.items()
+            if CLAIMS[k][0][1] == "tie"
+            and v[0].dtype in (np.float32, np.float16, "bfloat16")
+            and v[0].size <= MASKED_LIMIT
+        }
+    ).items()
+}
+
+
+def _fast_path(x, axis, ddof=0):
+    """(mean, var, todo, exact sums) of the XLA kernel's fast path alone (JAX)."""
+    means, var, todo, sums = jax_kernel._moments._fast(x, (axis,), ddof, False)
+    dtype = x.dtype
+    mean, var = np.asarray(means[0]).astype(dtype), np.asarray(var).astype(dtype)
+    return mean, var, np.asarray(todo), np.asarray(sums[0])
+
+
+def test_the_tie_groups_hold_ties_of_every_short_format():
+    kinds = {(k[0], CLAIMS[n][0][0]) for k, (_, names) in TIE_GROUPS.items() for n in names}
+    assert {("float32", "mean"), ("float32", "var")} <= kinds, kinds
+    assert {"float16", "bfloat16"} <= {d for d, _ in kinds}, kinds
+
+
+# Ties the lattice decides: their sums are exact and the lattice is coarse enough for the
+# bound (0.15 next to 1.8 in float32 gives a lattice 2**-26 too fine: exact path).
+LATTICE_TIES = {
+    "var_tie_f32_0_4097",
+    "var_tie_f32_n4_ddof0_offset1e6",
+    "var_tie_f32_n7_ddof1_offset1e6",
+    "mean_tie_f32_n4_offset1e6",
+    "var_tie_f16_n4_ddof0",
+    "mean_tie_f16_n4",
+    "var_tie_f16_overflow_boundary_inf",
+    "var_tie_bf16_n3_ddof1",
+    "mean_tie_bf16_n4",
+}
+
+
+@pytest.mark.parametrize("key", sorted(TIE_GROUPS), ids=rounding_fixtures.group_id)
+def test_ties_of_exact_sums_are_decided_by_the_fast_path(key):
+    """Every slice the fast path decides has the oracle's bits; LATTICE_TIES are decided."""
+    rows, names = TIE_GROUPS[key]
+    mean, var, todo, _ = _fast_path(rows, 1, key[2])
+    open_ties = sorted(LATTICE_TIES & {names[i] for i in np.flatnonzero(todo)})
+    assert not open_ties, open_ties
+    want = stacked_oracle(names, fixture_oracle)
+    decided = np.flatnonzero(~todo)
+    got = (mean[decided], var[decided])
+    assert_oracle(got, tuple(w[decided] for w in want), labels=[names[i] for i in decided])
+
+
+def test_the_lattice_ties_are_tie_fixtures():
+    assert LATTICE_TIES <= {n for _, names in TIE_GROUPS.values() for n in names}
+
+
+@pytest.mark.parametrize("shape, axis", [((64, 1024), 1), ((4096, 64), 0)])
+def test_ties_on_an_offset_are_decided_by_the_fast_path(shape, axis):
+    """N(1e6, 1) in float32 (inputs multiples of 2**-4): about one variance in 16 is an
+    exact tie for n = 1024.  Along axis 0 (n = 4096, n**2 = 2**24, where the float64
+    evaluation of the variance alone would be too coarse) the first slice is a tie of
+    4 elements repeated 1024 times (the same mean and variance)."""
+    x = np.random.default_rng(3).normal(1e6, 1.0, shape).astype(np.float32)
+    if axis == 0:
+        x[:, 0] = np.tile(FIXTURES["var_tie_f32_n4_ddof0_offset1e6"][0], 1024)
+    want = datasets.oracle(x, (axis,))
+    mean, var, todo, _ = _fast_path(x, axis)
+    ties = sum(rounding_fixtures.is_midpoint(v, np.float32) for v in _exact_vars(x, axis))
+    assert ties >= 1 and not todo.any(), (ties, int(todo.sum()))
+    assert_oracle((mean, var), want)
+
+
+def _exact_vars(x, axis):
+    from tf_stable_moments._oracle import exact_value
+
+    rows = x if axis == 1 else x.T
+    return [exact_value(r, np.float32, 0)[1] for r in rows]
+
+
+def test_a_lattice_too_fine_for_the_bound_sends_ties_to_the_exact_path():
+    """A tie on 1e6 + y / 16 repeated 4096 times (n = 2**14: the same mean and variance):
+    the lattice's spacing min(q**2, ulp / 4) / n**2 is below the float64 bound there, so
+    the fast path must not decide it; the exact path rounds it half to even."""
+    x, _, ddof = FIXTURES["var_tie_f32_n4_ddof0_offset1e6"]
+    x = np.tile(x, 4096)
+    assert ddof == 0 and rounding_fixtures.is_midpoint(_exact_vars(x[None], 1)[0], np.float32)
+    _, _, todo, exact = _fast_path(x[None], 1)
+    assert exact.all() and todo.all()
+    assert_oracle(jax_kernel.moments(x, 0), datasets.oracle(x, (0,)))
+
+
 def test_undecided_slices_are_counted():
     rng = np.random.default_rng(5)
     offset = rng.normal(1e6, 1.0, (250, 16)).astype(np.float32)  # n = 250: no exact ties
@@ -199,10 +297,11 @@ def test_a_wrong_certificate_is_caught(bound, monkeypatch):
     assert len(names) >= 5
     real = _kernel.certify
 
-    def certify(ops, v, err, fmt):
+    def certify(ops, v, err, fmt, tie=None):
         h, l = v
         moved = h * 2.0**-40
-        return real(ops, (h + moved, l), err + (ops.abs(moved) if bound == "widened" else 0), fmt)
+        widened = err + (ops.abs(moved) if bound == "widened" else 0)
+        return real(ops, (h + moved, l), widened, fmt, tie)
 
     def wrong_count():
         count = 0

@@ -148,28 +148,72 @@ def _pair(h0, l0, h1, l1):
     return s, (l0 + l1) + ((h0 - (s - bb)) + (h1 - bb))
 
 
-def _pair_sum_xla(h, l, axis):
-    """Compensated sum of pairs along axis as one XLA variadic reduction (any order).
+# XLA's CPU emitter reduces the columns of a [n, kept] array (axis 0) several times
+# faster when they are first cut into blocks of 16 rows ([n / 16, 16, kept], reduced
+# over the middle axis), level after level while 32 rows or more are left: measured
+# 0.17-0.24x the time of tf.nn.moments on [4096, 4096] and [4000, 4000] float64 sums,
+# against 1.4-1.8x unblocked, 0.4x with one level, 0.8x with blocks of 8 or 32.  The
+# kernel's bounds hold for any order of the sums, so the blocking changes no result.
+COLUMN_BLOCK = 16
+DYNAMIC_LEVELS = 2  # levels for a row count unknown while tracing
 
-    The reducer is traced anew for each graph: a concrete function belongs to
-    the graph that traced it (no TensorFlow object is kept across graphs).
+
+def _variadic(arrays, inits, axis, fn):
+    """fn's reduction of `arrays` along `axis` as XLA variadic reductions (any order).
+
+    Along axis 0 in blocks of COLUMN_BLOCK rows; the rows left over at each level are
+    reduced apart and combined with fn.  The reducer is traced anew for each graph: a
+    concrete function belongs to the graph that traced it (no TensorFlow object is
+    kept across graphs).
     """
-    spec = tf.TensorSpec([], h.dtype)
-    reducer = tf.function(_pair, autograph=False).get_concrete_function(spec, spec, spec, spec)
+    spec = [tf.TensorSpec([], a.dtype) for a in arrays]
+    reducer = tf.function(fn, autograph=False).get_concrete_function(*spec, *spec)
+
+    def reduce(xs, axes):
+        return list(_xla.variadic_reduce(xs, inits, axes, reducer))
+
+    if axis == 1:
+        return reduce(arrays, [1])
+    rest, level = [], 0
+    while True:
+        rows = arrays[0].shape[0]
+        if rows is None:
+            if level == DYNAMIC_LEVELS:
+                break
+            rows = tf.shape(arrays[0], out_type=tf.int64)[0]
+        elif rows < 2 * COLUMN_BLOCK:
+            break
+        kept = arrays[0].shape[1]
+        kept = tf.shape(arrays[0], out_type=tf.int64)[1] if kept is None else kept
+        m = rows - rows % COLUMN_BLOCK
+        shape = [m // COLUMN_BLOCK, COLUMN_BLOCK, kept]
+        if builtins.any(tf.is_tensor(d) for d in shape):
+            shape = tf.stack([tf.cast(d, tf.int64) for d in shape])
+        if not isinstance(m, int) or m < rows:
+            rest.append(reduce([a[m:] for a in arrays], [0]))
+        arrays = reduce([tf.reshape(a[:m], shape) for a in arrays], [1])
+        level += 1
+    out = reduce(arrays, [0])
+    for r in rest:
+        out = list(fn(*out, *r))
+    return out
+
+
+def _pair_sum_xla(h, l, axis):
+    """Compensated sum of pairs along axis (any order): see `_variadic`."""
     zero = tf.zeros([], h.dtype)
-    return tuple(_xla.variadic_reduce([h, l], [zero, zero], [axis], reducer))
+    return tuple(_variadic([h, l], [zero, zero], axis, _pair))
 
 
 def _sums_min_xla(a, b, c, axis):
     """(sum a, sum b, min c) in one pass: one variadic reduction (XLA would otherwise
-    materialise a producer that several reductions share).  Reducer traced per graph."""
-    spec = tf.TensorSpec([], a.dtype)
-    fn = tf.function(
-        lambda a0, b0, c0, a1, b1, c1: (a0 + a1, b0 + b1, tf.minimum(c0, c1)), autograph=False
-    )
-    reducer = fn.get_concrete_function(*[spec] * 6)
+    materialise a producer that several reductions share); see `_variadic`."""
     zero, inf = tf.zeros([], a.dtype), tf.constant(float("inf"), c.dtype)
-    return tuple(_xla.variadic_reduce([a, b, c], [zero, zero, inf], [axis], reducer))
+    return tuple(_variadic([a, b, c], [zero, zero, inf], axis, _sum_sum_min))
+
+
+def _sum_sum_min(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, tf.minimum(c0, c1)
 
 
 def _sums_min_plain(a, b, c, axis):
