@@ -148,8 +148,10 @@ def bench_case(label, shape, axes, reps):
         "shape": shape,
         "axes": axes,
         "input_bytes": x.nbytes,
-        # Slices of this input that the fast path leaves to the exact path (part of "ours").
+        # Slices of this input that the fast path leaves to the exact path (part of "ours"):
+        # the native kernel's, and the XLA kernel's (it also decides ties of exact sums).
         "exact_path_slices": round(tf_moments.undecided_fraction(inputs["tf"], axes) * slices),
+        "exact_path_slices_xla": _xla_undecided(x, axes),
         "slices": slices,
         "median_s": med,
         "min_s": {k: min(v) for k, v in times.items()},
@@ -221,14 +223,25 @@ def fraction_datasets(shape, seed=0):
     return {name: (x.astype(np.float32), (1,)) for name, x in data.items()}
 
 
+def _xla_undecided(x, axes):
+    """The number of slices of x that the XLA kernel's fast path leaves open (JAX)."""
+    x = np.asarray(x)
+    with jax.enable_x64(x.dtype == np.float64):
+        todo = jax_moments._fast(jnp.asarray(x), tuple(axes), 0, False)[2]
+        return int(np.sum(np.asarray(todo)))
+
+
 def decided_fractions(data):
-    """{name: (TF, JAX)}: the fraction of the slices of each (x, axes) in `data` that the
-    fast path decided, 1 - undecided_fraction, from each backend's kernel."""
+    """{name: (TF, JAX, XLA)}: the fraction of the slices of each (x, axes) in `data` that
+    the fast path decided, 1 - undecided_fraction, from each backend's kernel (TF and JAX:
+    the native kernel on this CPU) and from the XLA kernel."""
     out = {}
     for name, (x, axes) in data.items():
+        slices = x.size // int(np.prod([x.shape[a] for a in axes]))
         out[name] = (
             1.0 - tf_moments.undecided_fraction(tf.constant(x), axes),
             1.0 - jax_moments.undecided_fraction(jax.device_put(x), axes),
+            1.0 - _xla_undecided(x, axes) / slices,
         )
     return out
 
@@ -240,7 +253,7 @@ def fraction_table(shapes):
         sets += [(name, x, axes) for name, (x, axes) in fraction_datasets(shape).items()]
     rows = []
     for name, x, axes in sets:
-        tf_f, jax_f = decided_fractions({name: (x, axes)})[name]
+        tf_f, jax_f, xla_f = decided_fractions({name: (x, axes)})[name]
         slices = x.size // int(np.prod([x.shape[a] for a in axes]))
         rows.append(
             {
@@ -250,6 +263,7 @@ def fraction_table(shapes):
                 "slices": slices,
                 "tf": tf_f,
                 "jax": jax_f,
+                "xla": xla_f,
             }
         )
     return rows
@@ -397,15 +411,17 @@ def print_exact_path_cost(r, reps):
 def print_fractions(rows):
     print(
         "\nfraction of slices the fast path decides (the rest take the exact path), "
-        "TF and JAX kernels:"
+        "TF and JAX kernels (native on this CPU; agree: TF == JAX), and the XLA kernel (it "
+        "also decides ties of exact sums):"
     )
-    print(f"  {'data':28} {'shape':12} {'axes':5} {'TF':>8} {'JAX':>8} {'undecided':>14}  agree")
+    head = f"{'TF':>8} {'JAX':>8} {'undecided':>14}  agree {'XLA':>8}"
+    print(f"  {'data':28} {'shape':12} {'axes':5} {head}")
     for row in rows:
         undecided = f"{round((1 - row['tf']) * row['slices'])} of {row['slices']}"
         agree = "yes" if row["tf"] == row["jax"] else "NO"
         print(
             f"  {row['data']:28} {str(list(row['shape'])):12} {str(row['axes']):5} "
-            f"{row['tf']:8.4f} {row['jax']:8.4f} {undecided:>14}  {agree}"
+            f"{row['tf']:8.4f} {row['jax']:8.4f} {undecided:>14}  {agree:5} {row['xla']:8.4f}"
         )
 
 
@@ -456,7 +472,8 @@ def print_case(r, reps):
     print(f"\n{r['case']}  ({r['input_bytes'] / 2**20:.0f} MiB, median of {reps} interleaved runs)")
     print(
         f"  {r['exact_path_slices']} of {r['slices']} slices of this input take the exact path"
-        " (in every 'ours' row)"
+        f" in the native kernel (TF eager, tf.function, JAX jit), {r['exact_path_slices_xla']}"
+        " in the XLA kernel (ours XLA)"
     )
     head = f"{'implementation':32} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>10}"
     print(f"  {head} {'XLA temp MiB':>13}")

@@ -327,6 +327,72 @@ def test_the_native_op_reads_a_range_of_axes_and_differentiates_directly():
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
+def _mean_lo_cases():
+    rng = np.random.default_rng(9)
+    cases = []
+    for dtype in (np.float32, np.float64, np.float16):
+        offset = {np.float16: 1e3}.get(dtype, 1e6)
+        tiny = {np.float32: 1e-40, np.float64: 1e-310, np.float16: 1e-6}[dtype]
+        big = {np.float32: 1e37, np.float64: 1e300, np.float16: 3e4}[dtype]
+        for shape, axes in (((64, 33), (0,)), ((5, 7, 9), (0, 2)), ((12, 40), (1,))):
+            z = rng.standard_normal(shape)
+            mixed = z * 10.0 ** rng.integers(-6, 6, shape)
+            for i, x in enumerate((z, offset + z, mixed, z * tiny, z * big)):
+                x = x.astype(dtype)
+                if i == 2:
+                    x.flat[3] = np.nan  # that slice's mean_lo is 0, the others are kept
+                cases.append((x, axes))
+    z = np.random.default_rng(10).standard_normal((2, 16, 8))
+    cases.append(((z[0] + 1j * z[1]).astype(np.complex64), (0,)))
+    return cases
+
+
+def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation():
+    """StableMeanLo (moments.h `mean_lo`) against moments_core/_kernel.py `mean_lo` on
+    plain TensorFlow operations (what served the native path before): offsets, mixed
+    magnitudes, inputs near the bottom and the top of each format's range, a NaN."""
+    from moments_core import _kernel
+    from moments_core._formats import FORMATS
+    from tf_stable_moments import _ops
+
+    for x, axes in _mean_lo_cases():
+        xt = tf.constant(x)
+        mean, lo, var = tf_moments.stats(xt, axes, 0, lo=True)
+        parts = tf_moments._parts(xt)
+        work = parts[0].dtype
+        means = [mean] if len(parts) == 1 else [tf.math.real(mean), tf.math.imag(mean)]
+        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
+        want = []
+        for p, m in zip(parts, means):
+            laid, axis = tf_moments._layout(p, axes)
+            m64 = tf.cast(tf.reshape(m, [-1]), tf.float64)
+            low = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, FORMATS[work.name])
+            want.append(tf.cast(low, work).numpy())
+        got = lo.numpy().ravel()
+        want = want[0] if len(want) == 1 else (want[0] + 1j * want[1]).astype(got.dtype)
+        assert np.array_equal(bits(got), bits(want.ravel())), (x.dtype, x.shape, axes)
+
+
+def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
+    """mean_lo is one StableMeanLo op and the stall check one StableStallCheck op: no
+    plain-operations formulation (bitcasts) and no tf.cond in the traced step."""
+    bn = tf_stable_moments.StableBatchNormalization()
+    bn.build((8, 4, 4, 16))
+
+    @tf.function
+    def step(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            loss = tf.reduce_sum(bn(v, training=True) ** 2)
+        return tape.gradient(loss, v)
+
+    graph = step.get_concrete_function(tf.TensorSpec((8, 4, 4, 16), tf.float32)).graph
+    kinds = [op.type for op in graph.get_operations()]
+    for name in ("StableMoments", "StableMeanLo", "StableStallCheck"):
+        assert kinds.count(name) == 1, (name, sorted(set(kinds)))
+    assert not {"If", "StatelessIf", "Bitcast", "EagerPyFunc"} & set(kinds), sorted(set(kinds))
+
+
 def test_a_missing_native_kernel_warns_once_and_falls_back_with_the_same_bits(
     monkeypatch, tmp_path
 ):

@@ -19,7 +19,9 @@ when the stall shifts the normalized output by more than 0.1: without this secon
 condition data at offset 100 with unit spread would warn for harmless 1e-4 stalls.
 
 Where the check runs: TensorFlow eager (on the values), tf.function graphs without
-XLA (a tf.cond that calls back into Python only when a channel stalls), JAX eager,
+XLA (float32: the native op StableStallCheck, which calls back into Python the first
+time a channel stalls; else, or without the native library, a tf.cond that calls
+back into Python only when a channel stalls), JAX eager,
 and JAX jit (Keras fit on the JAX backend: a lax.cond whose taken branch is a
 jax.debug.callback).  Not in TensorFlow XLA (jit_compile=True, the Keras default on
 a GPU): a TensorFlow XLA cluster cannot call back into Python.  In compiled code
@@ -28,7 +30,9 @@ CPU: on an accelerator its conditional would synchronize device and host at ever
 step; there the check runs in eager calls only.
 """
 
+import itertools
 import warnings
+import weakref
 
 import numpy as np
 
@@ -93,6 +97,27 @@ def _report(layer, moving_mean, mean, variance):
     )
 
 
+_layers = {}  # token -> weak reference to the layer (the native check names it by token)
+_tokens = itertools.count(1)
+
+
+def _token(layer):
+    """A number for `layer`, unique in the process, that the native op passes back."""
+    token = getattr(layer, "_stall_token", None)
+    if token is None:
+        token = layer._stall_token = next(_tokens)
+        _layers[token] = weakref.ref(layer)
+    return token
+
+
+def _native_report(token, moving_mean, mean, variance):
+    """Called by the native op StableStallCheck (holding the GIL) when a channel stalls."""
+    ref = _layers.get(token)
+    layer = ref() if ref is not None else None
+    if layer is not None and not getattr(layer, "_stall_warned", False):
+        _report(layer, *(np.asarray(v, np.float32) for v in (moving_mean, mean, variance)))
+
+
 def check(layer, moving_mean, mean, variance):
     """Called by the layer before each uncompensated moving-mean update."""
     if getattr(layer, "_stall_warned", False):
@@ -129,6 +154,23 @@ def check(layer, moving_mean, mean, variance):
 
     if in_xla_context() or tf.config.list_logical_devices("GPU"):
         return  # XLA cannot call back; on a GPU the cond would sync device and host each step
+    # Nothing here has a gradient: no tape records the check (a recorded cond would have
+    # its branches rebuilt for the gradient: seconds of tracing in a deep model).
+    moving_mean, mean, variance = (tf.stop_gradient(t) for t in (moving_mean, mean, variance))
+    from tf_stable_moments import _native
+
+    op = _native.stall_op()
+    if op is not None and moving_mean.dtype == tf.float32:
+        op(
+            moving_mean,
+            mean,
+            variance,
+            momentum=layer.momentum,
+            epsilon=layer.epsilon,
+            threshold=THRESHOLD,
+            token=_token(layer),
+        )
+        return
     magnitude = tf.abs(moving_mean)
     ulp = tf.math.nextafter(magnitude, tf.constant(np.inf, magnitude.dtype)) - magnitude
     distance = tf.abs(mean - moving_mean)

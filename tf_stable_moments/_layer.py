@@ -99,8 +99,19 @@ _BACKENDS = ("tensorflow", "jax")
 
 
 def _expand(v, axes):
-    """A per-channel vector shaped to broadcast against the input."""
-    return ops.expand_dims(v, axes)
+    """A per-channel vector shaped to broadcast against the input: one reshape where
+    v's shape is static (expand_dims adds one operation per axis to a traced graph), by
+    the backend's own reshape (keras.ops dispatch costs more than the op in eager mode)."""
+    shape = tuple(v.shape)
+    if None in shape or any(a < 0 for a in axes):
+        return ops.expand_dims(v, axes)
+    kept = iter(shape)
+    target = [1 if a in axes else next(kept) for a in range(len(shape) + len(axes))]
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.reshape(v, target)
+    return ops.reshape(v, target)
 
 
 def _counts(x, w, axes):

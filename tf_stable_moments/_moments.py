@@ -361,9 +361,9 @@ def _native_op():
     return _native.op()
 
 
-def _native_call(op, x, axes, ddof, keepdims=False):
-    """(mean, var, undecided) from one native op call, shaped like the kept axes (keepdims:
-    with the reduced axes as 1).
+def _native_input(x, axes, ddof, keepdims=False):
+    """(y, attributes) of the native ops for x: y is x itself or x transposed (kept axes
+    first), as float32 or float64, with a last dimension 2 for complex data.
 
     Contiguous reduced axes are the op's range [axis_begin, axis_end) of x itself: no
     reshape before or after (the op reads x as [outer, n, inner(, 2)], the layout of
@@ -388,8 +388,7 @@ def _native_call(op, x, axes, ddof, keepdims=False):
         y = tf.stack([tf.math.real(y), tf.math.imag(y)], -1)
     if y.dtype != data:
         y = tf.cast(y, data)
-    mean, var, undecided = op(
-        y,
+    attrs = dict(
         ddof=ddof,
         precision=fmt.precision,
         emin=fmt.emin,
@@ -397,43 +396,44 @@ def _native_call(op, x, axes, ddof, keepdims=False):
         parts=parts,
         axis_begin=begin,
         axis_end=end,
-        keepdims=keepdims and contiguous,
     )
-    if parts == 2:
-        mean = tf.complex(mean[..., 0], mean[..., 1])
-    elif work != data:
-        mean = tf.cast(mean, work)
-    if work != data:
+    return y, attrs, keepdims and contiguous
+
+
+def _native_output(x, mean, work):
+    """A mean-like output of the native ops as x's kind of number (complex, float16...)."""
+    if x.dtype.is_complex:
+        return tf.complex(mean[..., 0], mean[..., 1])
+    return mean if mean.dtype == work else tf.cast(mean, work)
+
+
+def _native_call(op, x, axes, ddof, keepdims=False):
+    """(mean, var, undecided) from one native op call, shaped like the kept axes (keepdims:
+    with the reduced axes as 1); see `_native_input`."""
+    work = _compute_dtype(x.dtype)
+    y, attrs, in_op = _native_input(x, axes, ddof, keepdims)
+    mean, var, undecided = op(y, keepdims=in_op, **attrs)
+    mean = _native_output(x, mean, work)
+    if var.dtype != work:
         var = tf.cast(var, work)
-    if keepdims and not contiguous:
+    if keepdims and not in_op:
         shape = _out_shape(x, axes, True)
         mean, var = tf.reshape(mean, shape), tf.reshape(var, shape)
     return mean, var, undecided
 
 
 def _native_stats(op, x, axes, ddof, lo):
-    """(mean, mean_lo, var, undecided) from the native op (_native_call)."""
+    """(mean, mean_lo, var, undecided) from the native ops: StableMoments, and with lo
+    StableMeanLo on the same input (a deterministic fixed-point sum: docs section 9)."""
+    if not lo:
+        mean, var, undecided = _native_call(op, x, axes, ddof)
+        return mean, None, var, undecided
     work = _compute_dtype(x.dtype)
-    fmt = FORMATS[work.name]
-    parts = 2 if x.dtype.is_complex else 1
-    mean, var, undecided = _native_call(op, x, axes, ddof)
-    out = _out_shape(x, axes, False)
-    mean_lo = None
-    if lo:  # a deterministic fixed-point sum (docs section 9): plain operations suffice
-        laid = [_layout(p, axes) for p in _parts(x)]
-        means = [mean] if parts == 1 else [tf.math.real(mean), tf.math.imag(mean)]
-        means = [tf.reshape(m, [-1]) for m in means]
-        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
-        lows = [
-            tf.cast(
-                _kernel.mean_lo(_ops.PLAIN, p, axis, tf.cast(m, tf.float64), v64, ddof, fmt, None),
-                work,
-            )
-            for (p, axis), m in zip(laid, means)
-        ]
-        mean_lo = lows[0] if parts == 1 else tf.complex(lows[0], lows[1])
-        mean_lo = _reshape(mean_lo, out)
-    return mean, mean_lo, var, undecided
+    y, attrs, _ = _native_input(x, axes, ddof)
+    mean, var, undecided = op(y, **attrs)
+    mean_lo = _native.mean_lo_op()(y, mean, var, **attrs)
+    var = var if var.dtype == work else tf.cast(var, work)
+    return _native_output(x, mean, work), _native_output(x, mean_lo, work), var, undecided
 
 
 @tf.autograph.experimental.do_not_convert

@@ -32,9 +32,11 @@ JAX_LIBRARY = os.path.join("jax_kernel", "_native", "_stable_moments_ffi.so")
 FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-std=c++17", "-w", "-pthread"]
 
 _QUERY = {
+    # Python's headers too: the op StableStallCheck calls back into Python (a warning).
     "tensorflow": (
-        "import json, tensorflow as tf; "
-        "print(json.dumps([tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))"
+        "import json, sysconfig, tensorflow as tf; "
+        "print(json.dumps([tf.sysconfig.get_compile_flags() + "
+        "['-I' + sysconfig.get_paths()['include']], tf.sysconfig.get_link_flags()]))"
     ),
     "jax": "import json, jax; print(json.dumps([['-I' + jax.ffi.include_dir()], []]))",
 }

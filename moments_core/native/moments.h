@@ -961,6 +961,79 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
   return res;
 }
 
+// ------------------------------------------------------------------ mean_lo (section 9)
+// mean(x) - mean_hi to the format, from a fixed-point sum: the operations of
+// moments_core/_kernel.py `mean_lo` (no mask, no padding), one for one.  Every float64
+// result below 2**-1022 is flushed to a zero of its sign, as TensorFlow and XLA flush
+// on the CPU, so that the bits are those of the XLA kernel and of plain TensorFlow.
+inline double ftz(double v) { return std::fabs(v) < 0x1p-1022 ? std::copysign(0.0, v) : v; }
+
+inline double round_to(double v, const Format& f) {  // `_kernel.round_to`
+  if (f.precision == 53) return v;
+  const double a = std::fabs(v);
+  const bool ok = a >= pow2(f.emin) && std::isfinite(a);
+  double value = nearest(ok ? a : 1.0, f).c;
+  value = ok && value < pow2(f.emax) ? value : (ok ? std::numeric_limits<double>::infinity() : 0.0);
+  return v < 0 ? -value : value;
+}
+
+// The power of two q of one slice (`_kernel.mean_lo`): every rint(d / q), d = x - mean,
+// is an integer and their sum stays below 2**53.  ok false: mean_lo is 0.
+struct LoScale {
+  double down = 1.0, up = 1.0;  // 1 / q, q
+  bool ok = false;
+};
+inline LoScale lo_scale(double mean, double var, int64_t n, int64_t ddof, const Format& f) {
+  const double nf = static_cast<double>(n);
+  const double ulp = pow2(std::max(exponent_of(std::fabs(mean)) - (f.precision - 1), -1000));
+  const double eff = nf - static_cast<double>(ddof);
+  double r2 = ftz(ftz(ftz(ftz(eff * var) * 2.0) + ftz(ftz(nf * ulp) * ulp)) * 2.0);
+  LoScale s;
+  s.ok = std::isfinite(r2) && std::isfinite(mean) && r2 > 0 && eff > 0;
+  if (!s.ok) r2 = 1.0;
+  const int half = (exponent_of(r2) + 2) >> 1;  // 2**half >= sqrt(r2)
+  int nb = 0;
+  for (int64_t m = std::max<int64_t>(n, 1); m; m >>= 1) ++nb;
+  const int shift = std::min(std::max(half + nb - 52, -1000), 1000);
+  s.down = pow2(-shift);
+  s.up = pow2(shift);
+  return s;
+}
+
+// x [outer, n, inner] (parts 2: [outer, n, inner, 2]), mean [outer, inner(, 2)] and var
+// [outer, inner] as the moments call returned them -> lo, laid out like mean.
+template <typename T>
+void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int64_t ddof,
+             const Format& f, const T* mean, const T* var, T* lo) {
+  const int64_t width = inner * parts, slices = outer * width;
+  const double tiny = pow2(f.emin);
+  std::vector<double> m(slices), down(slices), total(slices, 0.0);
+  std::vector<LoScale> scale(slices);
+  for (int64_t s = 0; s < slices; ++s) {
+    m[s] = static_cast<double>(mean[s]);
+    scale[s] = lo_scale(m[s], static_cast<double>(var[s / parts]), n, ddof, f);
+    down[s] = scale[s].down;
+  }
+  for (int64_t o = 0; o < outer; ++o) {
+    const T* block = x + o * n * width;
+    double* t = total.data() + o * width;
+    const double* mo = m.data() + o * width;
+    const double* dn = down.data() + o * width;
+    for (int64_t k = 0; k < n; ++k) {
+      const T* row = block + k * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const double d = ftz(flushed(row[i], tiny) - mo[i]);
+        t[i] += std::nearbyint(ftz(d * dn[i]));  // an integer: the sum is exact
+      }
+    }
+  }
+  const double rn = 1.0 / static_cast<double>(std::max<int64_t>(n, 1));
+  for (int64_t s = 0; s < slices; ++s) {
+    const double v = ftz(ftz(total[s] * scale[s].up) * rn);
+    lo[s] = static_cast<T>(scale[s].ok ? round_to(v, f) : 0.0);
+  }
+}
+
 }  // namespace stable_moments
 
 #endif  // TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_

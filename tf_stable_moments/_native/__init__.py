@@ -18,7 +18,7 @@ from moments_core.native import build, enabled
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
 _lock = threading.Lock()
-_state = {"tried": False, "op": None}
+_state = {"tried": False, "op": None, "mean_lo": None, "stall": None}
 
 
 def _load():
@@ -52,7 +52,22 @@ def op():
                 )
             else:
                 _state["op"] = lib.stable_moments
+                _state["mean_lo"] = lib.stable_mean_lo
+                _state["stall"] = lib.stable_stall_check
         return _state["op"]
+
+
+def mean_lo_op():
+    """The StableMeanLo op function of the same library, or None (as `op`)."""
+    return _state["mean_lo"] if op() is not None else None
+
+
+def stall_op():
+    """The StableStallCheck op function of the same library, or None (as `op`)."""
+    return _state["stall"] if op() is not None else None
+
+
+tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no tangent
 
 
 @tf.RegisterGradient("StableMoments")

@@ -11,7 +11,13 @@
 //
 // The target format (precision, emin, emax) is an attribute: float16 and bfloat16 data come
 // as float32 and their results are values of their own format (exactly castable back).
+#include <Python.h>
+
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #include "moments.h"
@@ -155,5 +161,164 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(
     Name("StableMoments").Device(DEVICE_CPU).TypeConstraint<double>("T"),
     StableMomentsOp<double>);
+
+// "StableMeanLo": mean(x) - mean, to the format, from a fixed-point sum (docs section 9;
+// moments.h `mean_lo`), for the x, mean and variance of one StableMoments call with the
+// same attributes (keepdims false): one op where plain TensorFlow operations were ~150.
+REGISTER_OP("StableMeanLo")
+    .Input("x: T")
+    .Input("mean: T")
+    .Input("variance: T")
+    .Output("mean_lo: T")
+    .Attr("T: {float, double}")
+    .Attr("ddof: int = 0")
+    .Attr("precision: int")
+    .Attr("emin: int")
+    .Attr("emax: int")
+    .Attr("parts: int = 1")
+    .Attr("axis_begin: int = 1")
+    .Attr("axis_end: int = 2")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return Status();
+    });
+
+template <typename T>
+class StableMeanLoOp : public OpKernel {
+ public:
+  explicit StableMeanLoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ddof", &ddof_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("precision", &format_.precision));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emin", &format_.emin));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emax", &format_.emax));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &parts_));
+    OP_REQUIRES(ctx, parts_ == 1 || parts_ == 2,
+                tensorflow::errors::InvalidArgument("StableMeanLo: parts must be 1 or 2"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_begin", &begin_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_end", &end_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& mean = ctx->input(1);
+    const Tensor& var = ctx->input(2);
+    const int rank = x.dims(), data = rank - (parts_ == 2 ? 1 : 0);
+    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
+                tensorflow::errors::InvalidArgument("StableMeanLo: reduced axes [", begin_,
+                                                    ", ", end_, ") do not fit rank ", rank));
+    int64_t outer = 1, n = 1, inner = 1;
+    for (int d = 0; d < data; ++d) {
+      const int64_t size = x.dim_size(d);
+      (d < begin_ ? outer : d < end_ ? n : inner) *= size;
+    }
+    OP_REQUIRES(ctx, mean.NumElements() == outer * inner * parts_ &&
+                         var.NumElements() == outer * inner,
+                tensorflow::errors::InvalidArgument("StableMeanLo: mean and variance do not "
+                                                    "match x's kept axes"));
+    Tensor* lo = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean.shape(), &lo));
+    stable_moments::mean_lo<T>(x.flat<T>().data(), outer, n, inner, parts_, ddof_, format_,
+                               mean.flat<T>().data(), var.flat<T>().data(),
+                               lo->flat<T>().data());
+  }
+
+ private:
+  stable_moments::Format format_;
+  int64_t ddof_ = 0;
+  int parts_ = 1;
+  int begin_ = 1, end_ = 2;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("StableMeanLo").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    StableMeanLoOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("StableMeanLo").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+    StableMeanLoOp<double>);
+
+// "StableStallCheck": the stall test of tf_stable_moments/_advice.py `check` in a graph,
+// as one op instead of a tf.cond around a tf.py_function (whose branches cost a deep model
+// seconds of tracing).  Per channel: stalled when |mean - moving| * (1 - momentum) is
+// below half an ulp of moving and |mean - moving| > threshold * sqrt(var + epsilon).  The
+// first time a channel of layer `token` stalls, the op takes the GIL and calls
+// tf_stable_moments._advice._native_report(token, moving, mean, var) (Python lists),
+// which warns once; afterwards it returns at once.
+REGISTER_OP("StableStallCheck")
+    .Input("moving_mean: float")
+    .Input("mean: float")
+    .Input("variance: float")
+    .Attr("momentum: float")
+    .Attr("epsilon: float")
+    .Attr("threshold: float")
+    .Attr("token: int")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) { return Status(); });
+
+std::mutex stall_mutex;
+std::set<int64_t> stall_reported;
+
+PyObject* list_of(const float* v, int64_t n) {
+  PyObject* list = PyList_New(n);
+  for (int64_t i = 0; list && i < n; ++i) PyList_SET_ITEM(list, i, PyFloat_FromDouble(v[i]));
+  return list;
+}
+
+class StableStallCheckOp : public OpKernel {
+ public:
+  explicit StableStallCheckOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &momentum_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("epsilon", &epsilon_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("threshold", &threshold_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("token", &token_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    if (done_.load(std::memory_order_relaxed)) return;
+    const Tensor& moving = ctx->input(0);
+    const Tensor& mean = ctx->input(1);
+    const Tensor& var = ctx->input(2);
+    const int64_t n = moving.NumElements();
+    OP_REQUIRES(ctx, mean.NumElements() == n && var.NumElements() == n,
+                tensorflow::errors::InvalidArgument("StableStallCheck: sizes differ"));
+    const float* m = moving.flat<float>().data();
+    const float* b = mean.flat<float>().data();
+    const float* v = var.flat<float>().data();
+    const float keep = 1.0f - momentum_;
+    bool stalled = false;
+    for (int64_t i = 0; i < n && !stalled; ++i) {
+      const float magnitude = std::fabs(m[i]);
+      const float ulp = std::nextafter(magnitude, INFINITY) - magnitude;
+      const float distance = std::fabs(b[i] - m[i]);
+      const float spread = std::sqrt(v[i] + epsilon_);
+      stalled = distance * keep < ulp / 2 && distance > threshold_ * spread;
+    }
+    if (!stalled) return;
+    {
+      std::lock_guard<std::mutex> lock(stall_mutex);
+      done_ = true;
+      if (!stall_reported.insert(token_).second) return;
+    }
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* module = PyImport_ImportModule("tf_stable_moments._advice");
+    PyObject* result = nullptr;
+    if (module) {
+      result = PyObject_CallMethod(module, "_native_report", "LNNN",
+                                   static_cast<long long>(token_), list_of(m, n),
+                                   list_of(b, n), list_of(v, n));
+    }
+    if (!result) PyErr_Print();
+    Py_XDECREF(result);
+    Py_XDECREF(module);
+    PyGILState_Release(gil);
+  }
+
+ private:
+  float momentum_ = 0.99f, epsilon_ = 1e-3f, threshold_ = 0.1f;
+  int64_t token_ = 0;
+  std::atomic<bool> done_{false};
+};
+
+REGISTER_KERNEL_BUILDER(Name("StableStallCheck").Device(DEVICE_CPU), StableStallCheckOp);
 
 }  // namespace
