@@ -149,6 +149,7 @@ class Approx(NamedTuple):
     sums: tuple = None  # (K, sum y, sum y**2) (float64 sums only)
     exact: object = None  # where those sums are exact
     grid: object = None  # q: every input of the slice is a multiple of q (float64 sums only)
+    exact_mean: object = None  # where sum y alone is exact (float64 sums only)
 
 
 def approximate(ops, x, first, axis, c, fmt, w=None):
@@ -189,8 +190,11 @@ def approximate(ops, x, first, axis, c, fmt, w=None):
     exact = ops.isfinite(smallest) & (b_up <= 2.0**52 * unit * unit)
     exact = exact & (n * b_up <= 2.0**104 * unit * unit) & ~bad
     a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
+    # s1 alone is exact when sum |y| <= 2**52 q (every |y| and every partial sum of y is
+    # then a multiple of q below 2**53 of them), whatever the squares do.
+    exact_mean = ops.isfinite(smallest) & (a_abs <= 2.0**52 * unit) & ~bad
     d2 = ops.where(exact, 0.0, g2 * b_up)
-    d1 = ops.where(exact, 0.0, g1 * a_abs * MARGIN)
+    d1 = ops.where(exact_mean, 0.0, g1 * a_abs * MARGIN)
     t = s1 * c.rn[0]
     mean = k + t
     mean_err = ((d1 + 3.0 * U * ops.abs(s1)) * c.rn[0] * MARGIN + U * ops.abs(t)) * MARGIN
@@ -201,6 +205,7 @@ def approximate(ops, x, first, axis, c, fmt, w=None):
     num_err = (d2 + d_corr + U * ops.abs(num)) * MARGIN
     zero = ops.zeros_like(num)
     approx = Approx((mean, zero), mean_err, (num, zero), num_err, (k, s1, s2), exact, unit)
+    approx = approx._replace(exact_mean=exact_mean)
     return approx, bad
 
 
@@ -445,7 +450,7 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
     lattice = len(approx) == 1 and not pairs
     means, decided = [], ~bad
     for a, _ in approx:
-        tie = (a.exact, a.grid, c.rn[0]) if lattice else None
+        tie = (a.exact_mean, a.grid, c.rn[0]) if lattice else None
         m, ok = certify(ops, a.mean, a.mean_err, fmt, tie)
         means.append(m)
         decided = decided & ok
