@@ -20,10 +20,6 @@ _DTYPES = {
 }
 _INT = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}
 
-# Always traced into an XLA computation: the kernel then leaves out what costs compile
-# time more than it saves run time (moments_core/_kernel.py, fast_moments).
-compiled = True
-
 abs = jnp.abs  # noqa: A001
 sqrt = jnp.sqrt
 isnan = jnp.isnan

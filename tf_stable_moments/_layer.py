@@ -99,10 +99,13 @@ _BACKENDS = ("tensorflow", "jax")
 
 
 def _expand(v, axes):
-    """A per-channel vector shaped to broadcast against the input: one reshape where
-    v's shape is static (expand_dims adds one operation per axis to a traced graph), by
-    the backend's own reshape (keras.ops dispatch costs more than the op in eager mode)."""
+    """A per-channel vector shaped to broadcast against the input: as it is where the
+    reduced axes lead (channels last), else one reshape where v's shape is static
+    (expand_dims adds one operation per axis to a traced graph), by the backend's own
+    reshape (keras.ops dispatch costs more than the op in eager mode)."""
     shape = tuple(v.shape)
+    if tuple(axes) == tuple(range(len(axes))):
+        return v  # the kept axes are the trailing ones: broadcasting aligns them as they are
     if None in shape or any(a < 0 for a in axes):
         return ops.expand_dims(v, axes)
     kept = iter(shape)
@@ -477,6 +480,7 @@ def _backend_centre(name):
     """The differentiable `_centre` of a Keras backend, on that backend's kernel."""
     if name == "tensorflow":
         import tensorflow as tf
+        from tensorflow.python.eager import record as _record
 
         from tf_stable_moments import _moments
 
@@ -487,7 +491,9 @@ def _backend_centre(name):
                 out = _centre(_moments.stats, tf.stop_gradient(x), w, axes)
 
                 def grad(r_bar, var_bar, mean_bar, _):
-                    r = _differentiable_residual(out[0], x, w, axes)
+                    r = out[0]
+                    if _record.could_possibly_record():  # a tape may differentiate this
+                        r = _differentiable_residual(r, x, w, axes)
                     return _centre_vjp(x, w, axes, r, r_bar, var_bar, mean_bar)
 
                 return out, grad

@@ -293,7 +293,5 @@ _COMMON = dict(
     },
 )
 
-XLA = SimpleNamespace(pair_sum=_pair_sum_xla, sums_min=_sums_min_xla, compiled=True, **_COMMON)
-PLAIN = SimpleNamespace(
-    pair_sum=_pair_sum_tree, sums_min=_sums_min_plain, compiled=False, **_COMMON
-)
+XLA = SimpleNamespace(pair_sum=_pair_sum_xla, sums_min=_sums_min_xla, **_COMMON)
+PLAIN = SimpleNamespace(pair_sum=_pair_sum_tree, sums_min=_sums_min_plain, **_COMMON)
