@@ -90,10 +90,11 @@ def _use_native(exact_only=False):
     return _native.available()
 
 
-def _native_moments(x, axes, ddof):
-    """(means, var, undecided) from the native kernel: means one array per real part
-    (float16/bfloat16 data computed in float32 with their own format, cast back
-    exactly), all flat over the kept axes in row-major order; undecided int32."""
+def _native_moments(x, axes, ddof, lo=False):
+    """(means, var, undecided, lows) from the native kernel: means one array per real
+    part (float16/bfloat16 data computed in float32 with their own format, cast back
+    exactly), all flat over the kept axes in row-major order; undecided int32; lows
+    (with lo, else None) mean_lo per part from the native mean_lo call."""
     work = _compute_dtype(x.dtype)
     fmt = FORMATS[work.name]
     carrier = np.dtype(np.float32) if work in _HALF_DTYPES else work
@@ -107,7 +108,11 @@ def _native_moments(x, axes, ddof):
     with jax.enable_x64(True):
         count = count.astype(np.int32)
     means = [mean[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
-    return means, var.reshape(-1).astype(work), count
+    lows = None
+    if lo:
+        low = _native.mean_lo_call(data, mean, var, ddof, fmt)
+        lows = [low[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
+    return means, var.reshape(-1).astype(work), count, lows
 
 
 def _kernel_parts(x, axes):
@@ -168,14 +173,16 @@ def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None
     mean and var are correctly rounded (moments_core/_kernel.py, with 64-bit
     types enabled for the kernel only; on the CPU backend the native kernel,
     with the same bits); mean_lo (None unless lo) is mean(x) - mean from a
-    deterministic fixed-point sum, always computed in XLA.  With undecided=True,
+    deterministic fixed-point sum (the native mean_lo call with the native kernel, else
+    in XLA: the same bits).  With undecided=True,
     also the number of slices the fast path left to the exact path (that of the
     kernel used).  native: use the native kernel (True), the XLA one (False), or
     decide now (None: `_use_native`).
     """
     native = _use_native(exact_only) if native is None else bool(native) and not exact_only
+    lows = None
     if native:
-        means, var, count = _native_moments(x, axes, ddof)
+        means, var, count, lows = _native_moments(x, axes, ddof, lo)
     else:
         parts, axis, fmt, work = _kernel_parts(x, axes)
         with jax.enable_x64(True):
@@ -185,7 +192,8 @@ def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None
             means = [m.astype(work) for m in means]
             var = var.astype(work)
             count = count.astype(np.int32)
-    lows = _mean_lo_parts(x, axes, ddof, means, var) if lo else None
+    if lo and lows is None:
+        lows = _mean_lo_parts(x, axes, ddof, means, var)
     shape = _out_shape(x.shape, axes, False)
     mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
     mean_lo = None

@@ -46,11 +46,12 @@ def test_decided_fractions():
     assert _ties(tie[5:6]).all()
     got = speed.decided_fractions({"N(1e6, 1)": (x, (1,)), "tie": (tie, (1,))})
     assert set(got) == {"N(1e6, 1)", "tie"}
-    for tf_fraction, jax_fraction in got.values():
-        assert 0.0 <= tf_fraction <= 1.0 and 0.0 <= jax_fraction <= 1.0
-    assert got["N(1e6, 1)"] == (1.0, 1.0)
-    assert got["tie"][0] < 1.0 and got["tie"][1] < 1.0
-    assert got["tie"] == (63 / 64, 63 / 64)  # only the tie slice is left to the exact path
+    for fractions in got.values():  # TF and JAX (native kernels), XLA kernel
+        assert len(fractions) == 3 and all(0.0 <= f <= 1.0 for f in fractions)
+    assert got["N(1e6, 1)"] == (1.0, 1.0, 1.0)
+    # only the tie slice is left to the exact path by the native kernels; the XLA kernel
+    # may decide it on the inputs' lattice (docs section 5), nothing else
+    assert got["tie"][:2] == (63 / 64, 63 / 64) and got["tie"][2] in (63 / 64, 1.0)
 
 
 def test_size_sweep_plot_is_written(tmp_path):

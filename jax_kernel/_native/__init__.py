@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = os.path.join(HERE, "_stable_moments_ffi.so")
 TARGET = "tf_stable_moments_native_moments"  # the FFI target name
 SYMBOL = "StableMoments"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in stable_moments_ffi.cc
+LO_TARGET, LO_SYMBOL = "tf_stable_moments_native_mean_lo", "StableMeanLo"
 
 _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
@@ -41,8 +42,9 @@ def _build_in_cache():
 
 def _open(path):
     lib = ctypes.CDLL(path)
-    handler = getattr(lib, SYMBOL)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    handlers = [(TARGET, getattr(lib, SYMBOL)), (LO_TARGET, getattr(lib, LO_SYMBOL))]
+    for target, handler in handlers:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return lib
 
 
@@ -126,6 +128,26 @@ def moments_call(x, ddof, fmt):
         call = jax.ffi.ffi_call(TARGET, out, vmap_method="broadcast_all")
         return call(
             x,
+            ddof=np.int64(ddof),
+            precision=np.int64(fmt.precision),
+            emin=np.int64(fmt.emin),
+            emax=np.int64(fmt.emax),
+        )
+
+
+def mean_lo_call(x, mean, var, ddof, fmt):
+    """mean_lo (docs section 9) of the FFI call on x [..., n, inner, parts] from the mean
+    [..., inner, parts] and var [..., inner] that `moments_call` returned for it: like mean."""
+    if load() is None:
+        raise RuntimeError("mean_lo_call: the native kernel is unavailable or switched off")
+    with jax.enable_x64(True):
+        call = jax.ffi.ffi_call(
+            LO_TARGET, jax.ShapeDtypeStruct(mean.shape, mean.dtype), vmap_method="broadcast_all"
+        )
+        return call(
+            x,
+            mean,
+            var,
             ddof=np.int64(ddof),
             precision=np.int64(fmt.precision),
             emin=np.int64(fmt.emin),

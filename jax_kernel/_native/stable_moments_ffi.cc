@@ -102,6 +102,46 @@ ffi::Error StableMomentsImpl(ffi::AnyBuffer x, int64_t ddof, int64_t precision, 
   return ffi::Error::Success();
 }
 
+// "stable_mean_lo": mean(x) - mean to the format from a fixed-point sum (docs section 9;
+// moments.h `mean_lo`) for x [..., n, inner, parts] and the mean [..., inner, parts] and
+// var [..., inner] of one stable_moments call with the same attributes -> lo like mean.
+ffi::Error StableMeanLoImpl(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer var,
+                            int64_t ddof, int64_t precision, int64_t emin, int64_t emax,
+                            ffi::Result<ffi::AnyBuffer> lo) {
+  auto dims = x.dimensions();
+  const size_t rank = dims.size();
+  if (rank < 3) return ffi::Error::InvalidArgument("stable_mean_lo: x must have rank >= 3");
+  int64_t outer = 1;
+  for (size_t d = 0; d + 3 < rank; ++d) outer *= dims[d];
+  const int64_t n = dims[rank - 3], inner = dims[rank - 2], parts = dims[rank - 1];
+  if ((parts != 1 && parts != 2) || mean.element_count() != outer * inner * parts ||
+      var.element_count() != outer * inner || lo->element_count() != mean.element_count() ||
+      mean.element_type() != x.element_type() || var.element_type() != x.element_type() ||
+      lo->element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("stable_mean_lo: shapes or dtypes do not match x");
+  }
+  stable_moments::Format f;
+  f.precision = static_cast<int>(precision);
+  f.emin = static_cast<int>(emin);
+  f.emax = static_cast<int>(emax);
+  const int p = static_cast<int>(parts);
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      stable_moments::mean_lo<float>(x.typed_data<float>(), outer, n, inner, p, ddof, f,
+                                     mean.typed_data<float>(), var.typed_data<float>(),
+                                     lo->typed_data<float>());
+      break;
+    case ffi::DataType::F64:
+      stable_moments::mean_lo<double>(x.typed_data<double>(), outer, n, inner, p, ddof, f,
+                                      mean.typed_data<double>(), var.typed_data<double>(),
+                                      lo->typed_data<double>());
+      break;
+    default:
+      return ffi::Error::InvalidArgument("stable_mean_lo: x must be float32 or float64");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StableMoments, StableMomentsImpl,
@@ -114,3 +154,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StableMoments, StableMomentsImpl,
                                   .Ret<ffi::AnyBuffer>()                 // mean
                                   .Ret<ffi::AnyBuffer>()                 // var
                                   .Ret<ffi::AnyBuffer>());                // undecided
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StableMeanLo, StableMeanLoImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // mean
+                                  .Arg<ffi::AnyBuffer>()  // var
+                                  .Attr<int64_t>("ddof")
+                                  .Attr<int64_t>("precision")
+                                  .Attr<int64_t>("emin")
+                                  .Attr<int64_t>("emax")
+                                  .Ret<ffi::AnyBuffer>());  // mean_lo
