@@ -111,3 +111,26 @@ def _special(r, dtype, ddof):
     if pos or neg:
         return dtype(np.inf if pos else -np.inf), dtype(np.nan)
     return exact_moments(r, dtype, ddof)
+
+
+def mean_lo_cases():
+    """(x, axes) cases for mean_lo implementations compared bit for bit: offsets, mixed
+    magnitudes, inputs near both ends of each format's range, a NaN, complex64."""
+    rng = np.random.default_rng(9)
+    cases = []
+    for dtype in (np.float32, np.float64, np.float16):
+        offset = {np.float16: 1e3}.get(dtype, 1e6)
+        tiny = {np.float32: 1e-40, np.float64: 1e-310, np.float16: 1e-6}[dtype]
+        big = {np.float32: 1e37, np.float64: 1e300, np.float16: 1e4}[dtype]  # finite
+        for shape, axes in (((64, 33), (0,)), ((5, 7, 9), (0, 2)), ((12, 40), (1,))):
+            z = rng.standard_normal(shape)
+            mixed = z * 10.0 ** rng.integers(-6, 6, shape)
+            mixed = np.clip(mixed, -6e4, 6e4) if dtype == np.float16 else mixed  # finite
+            for i, x in enumerate((z, offset + z, mixed, z * tiny, z * big)):
+                x = x.astype(dtype)
+                if i == 2:
+                    x.flat[3] = np.nan  # that slice's mean_lo is 0, the others are kept
+                cases.append((x, axes))
+    z = np.random.default_rng(10).standard_normal((2, 16, 8))
+    cases.append(((z[0] + 1j * z[1]).astype(np.complex64), (0,)))
+    return cases

@@ -327,27 +327,6 @@ def test_the_native_op_reads_a_range_of_axes_and_differentiates_directly():
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
-def _mean_lo_cases():
-    rng = np.random.default_rng(9)
-    cases = []
-    for dtype in (np.float32, np.float64, np.float16):
-        offset = {np.float16: 1e3}.get(dtype, 1e6)
-        tiny = {np.float32: 1e-40, np.float64: 1e-310, np.float16: 1e-6}[dtype]
-        big = {np.float32: 1e37, np.float64: 1e300, np.float16: 1e4}[dtype]  # finite
-        for shape, axes in (((64, 33), (0,)), ((5, 7, 9), (0, 2)), ((12, 40), (1,))):
-            z = rng.standard_normal(shape)
-            mixed = z * 10.0 ** rng.integers(-6, 6, shape)
-            mixed = np.clip(mixed, -6e4, 6e4) if dtype == np.float16 else mixed  # finite
-            for i, x in enumerate((z, offset + z, mixed, z * tiny, z * big)):
-                x = x.astype(dtype)
-                if i == 2:
-                    x.flat[3] = np.nan  # that slice's mean_lo is 0, the others are kept
-                cases.append((x, axes))
-    z = np.random.default_rng(10).standard_normal((2, 16, 8))
-    cases.append(((z[0] + 1j * z[1]).astype(np.complex64), (0,)))
-    return cases
-
-
 def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation():
     """StableMeanLo (moments.h `mean_lo`) against moments_core/_kernel.py `mean_lo` on
     plain TensorFlow operations (what served the native path before): offsets, mixed
@@ -356,7 +335,7 @@ def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation():
     from moments_core._formats import FORMATS
     from tf_stable_moments import _ops
 
-    for x, axes in _mean_lo_cases():
+    for x, axes in datasets.mean_lo_cases():
         xt = tf.constant(x)
         mean, lo, var = tf_moments.stats(xt, axes, 0, lo=True)
         parts = tf_moments._parts(xt)

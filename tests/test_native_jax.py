@@ -10,6 +10,7 @@ few representative cases only; TF_STABLE_MOMENTS_NATIVE_FULL=1 compares it on al
 import os
 import warnings
 
+import datasets
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -142,34 +143,13 @@ def test_jit_vmap_and_eager():
     assert_same_bits([o[:, 0] for o in nested], want)
 
 
-def _mean_lo_cases():
-    rng = np.random.default_rng(9)
-    cases = []
-    for dtype in (np.float32, np.float64, np.float16):
-        offset = {np.float16: 1e3}.get(dtype, 1e6)
-        tiny = {np.float32: 1e-40, np.float64: 1e-310, np.float16: 1e-6}[dtype]
-        big = {np.float32: 1e37, np.float64: 1e300, np.float16: 1e4}[dtype]  # finite
-        for shape, axes in (((64, 33), (0,)), ((5, 7, 9), (0, 2)), ((12, 40), (1,))):
-            z = rng.standard_normal(shape)
-            mixed = z * 10.0 ** rng.integers(-6, 6, shape)
-            mixed = np.clip(mixed, -6e4, 6e4) if dtype == np.float16 else mixed  # finite
-            for i, x in enumerate((z, offset + z, mixed, z * tiny, z * big)):
-                x = x.astype(dtype)
-                if i == 2:
-                    x.flat[3] = np.nan  # that slice's mean_lo is 0, the others are kept
-                cases.append((x, axes))
-    z = np.random.default_rng(10).standard_normal((2, 16, 8))
-    cases.append(((z[0] + 1j * z[1]).astype(np.complex64), (0,)))
-    return cases
-
-
 def test_the_native_mean_lo_call_gives_the_bits_of_the_xla_formulation():
     """mean_lo from the native FFI call stable_mean_lo (moments.h `mean_lo`) against
     moments_core/_kernel.py `mean_lo` in XLA, on the same native mean and variance:
     offsets, mixed magnitudes, inputs near both ends of each format's range, a NaN,
     complex64; and stats(lo=True) native against XLA under vmap."""
     xla_lows = jax.jit(_moments._mean_lo_parts, static_argnums=(1, 2))
-    for x, axes in _mean_lo_cases():
+    for x, axes in datasets.mean_lo_cases():
         with jax.enable_x64(x.dtype == np.float64):
             means, var, _, lows = _moments._native_moments(jnp.asarray(x), axes, 0, lo=True)
             assert_same_bits(lows, xla_lows(jnp.asarray(x), axes, 0, means, var))

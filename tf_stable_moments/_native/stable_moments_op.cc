@@ -84,22 +84,35 @@ REGISTER_OP("StableMoments")
       return Status();
     });
 
+// The attributes StableMoments and StableMeanLo share: ddof, the format, parts, the axes.
+struct CommonAttrs {
+  stable_moments::Format format;
+  int64_t ddof = 0;
+  int parts = 1;
+  int begin = 1, end = 2;
+};
+
+Status ReadCommonAttrs(OpKernelConstruction* ctx, const char* op, CommonAttrs& a) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("ddof", &a.ddof));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("precision", &a.format.precision));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("emin", &a.format.emin));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("emax", &a.format.emax));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("parts", &a.parts));
+  if (a.parts != 1 && a.parts != 2) {
+    return tensorflow::errors::InvalidArgument(op, ": parts must be 1 or 2");
+  }
+  TF_RETURN_IF_ERROR(ctx->GetAttr("axis_begin", &a.begin));
+  return ctx->GetAttr("axis_end", &a.end);
+}
+
 template <typename T>
 class StableMomentsOp : public OpKernel {
  public:
   explicit StableMomentsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int64_t ddof;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("ddof", &ddof));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("precision", &format_.precision));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("emin", &format_.emin));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("emax", &format_.emax));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &parts_));
-    OP_REQUIRES(ctx, parts_ == 1 || parts_ == 2,
-                tensorflow::errors::InvalidArgument("StableMoments: parts must be 1 or 2"));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_begin", &begin_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_end", &end_));
+    CommonAttrs a;
+    OP_REQUIRES_OK(ctx, ReadCommonAttrs(ctx, "StableMoments", a));
+    format_ = a.format, ddof_ = a.ddof, parts_ = a.parts, begin_ = a.begin, end_ = a.end;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("keepdims", &keepdims_));
-    ddof_ = ddof;
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -187,15 +200,9 @@ template <typename T>
 class StableMeanLoOp : public OpKernel {
  public:
   explicit StableMeanLoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("ddof", &ddof_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("precision", &format_.precision));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("emin", &format_.emin));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("emax", &format_.emax));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &parts_));
-    OP_REQUIRES(ctx, parts_ == 1 || parts_ == 2,
-                tensorflow::errors::InvalidArgument("StableMeanLo: parts must be 1 or 2"));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_begin", &begin_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_end", &end_));
+    CommonAttrs a;
+    OP_REQUIRES_OK(ctx, ReadCommonAttrs(ctx, "StableMeanLo", a));
+    format_ = a.format, ddof_ = a.ddof, parts_ = a.parts, begin_ = a.begin, end_ = a.end;
   }
 
   void Compute(OpKernelContext* ctx) override {
