@@ -166,3 +166,24 @@ def test_an_unknown_kept_length_is_bucketed_in_eight_steps_per_octave(compiled_s
         np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
         assert mean.shape == (rows,)
     assert compiled_shapes == [(18, 5), (18, 5), (20, 5), (104, 5)]
+
+
+@pytest.mark.parametrize(
+    "shape, axes",
+    [((131072, 64), (0,)), ((100, 32, 32, 64), (0, 1, 2)), ((4096, 4096), (1,))],
+    ids=["131072x64-axis0", "conv-100x32x32x64-axes012", "4096x4096-axis1"],
+)
+def test_xla_kernel_temporaries_stay_within_the_input_size(shape, axes):
+    """The XLA kernel's temporary buffers (XLA's own buffer assignment, exact) take at
+    most the input's size (#3).  A compiled loop's buffers are allocated at every call:
+    the exact path's batch shrinks for long slices (`_kernel._batch`; with 8 slices of
+    131072 elements the temporaries were 115 MiB for a 32 MiB input)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernel import _moments as jax_moments
+
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    kernel = jax.jit(lambda v: jax_moments._moments(v, axes, False, 0, False, False))
+    temp = kernel.lower(spec).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= int(np.prod(shape)) * 4, (temp, shape)
