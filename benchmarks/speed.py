@@ -1,9 +1,10 @@
 """Speed of tf_stable_moments against tf.nn.moments, jnp.var and one memory pass.
 
-One process, interleaved repetitions after warm-up, medians and ratios side by
-side.  Also: the fraction of slices the fast path decides (the rest take the
-exact path) on the design note's data sets and on harder ones, in TF and JAX,
-and what a call costs when some slice needs the exact path.
+One process, interleaved repetitions after warm-up (each timed call preceded by an
+untimed call of the same implementation), medians and ratios side by side.  Also:
+the fraction of slices the fast path decides (the rest take the exact path) on the
+design note's data sets and on harder ones, in TF and JAX, and what a call costs
+when some slice needs the exact path.
 Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results] [--sweep | --sweep-only]
 
 --sweep adds a size sweep (time against the number of elements, 2**10 ... 2**26 in steps
