@@ -10,7 +10,9 @@ TensorFlow backend).  Prints one line "RESULT {json}":
   loaded_type: the class of the saved layer once the package is imported;
   fit: a stem of keras.applications.MobileNet, every BN swapped, one epoch of fit with a
     partial last batch (jit), then predictions before and after save/load, and whether
-    the original model still runs (stabilize copies the weights).
+    the original model still runs (stabilize copies the weights);
+  stall: warnings of a stalled moving mean under fit (jit), and whether the traced
+    training step holds the native stall check and no lax.cond.
 """
 
 import json
@@ -76,7 +78,47 @@ def main(saved, out_dir):
         "same_bits": bool(np.array_equal(before.view(np.uint32), after.view(np.uint32))),
         "finite": bool(np.all(np.isfinite(before))),
     }
+    result["stall"] = stall_check()
     print("RESULT " + json.dumps(result))
+
+
+def stall_check():
+    """A stalled moving mean under jit (fit): one warning, from the native FFI check (one
+    custom call per layer: no lax.cond in the traced training step)."""
+    import warnings
+
+    import jax
+
+    import tf_stable_moments
+
+    rng = np.random.default_rng(31)
+    x = rng.normal(1e6, 1.0, (100 * 64, 4)).astype(np.float32)
+    out = {}
+    for compensated in (False, True):
+        layer = tf_stable_moments.StableBatchNormalization(
+            momentum=0.9,
+            compensated_moving_stats=compensated,
+            moving_mean_initializer=keras.initializers.Constant(1e6 - 2),
+        )
+        model = keras.Sequential([keras.Input((4,)), layer])
+        model.compile("sgd", "mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, np.zeros_like(x), batch_size=64, verbose=0)
+        messages = [str(w.message) for w in caught]
+        out[f"warnings_compensated_{compensated}"] = sum(
+            "cannot follow the batch mean" in m for m in messages
+        )
+    layer = tf_stable_moments.StableBatchNormalization()
+    layer.build((None, 4))
+    trainable = [v.value for v in layer.trainable_variables]
+    other = [v.value for v in layer.non_trainable_variables]
+    jaxpr = str(
+        jax.make_jaxpr(lambda v: layer.stateless_call(trainable, other, v, training=True))(x[:64])
+    )
+    out["ffi_check"] = "tf_stable_moments_native_stall_check" in jaxpr
+    out["cond"] = "cond[" in jaxpr
+    return out
 
 
 if __name__ == "__main__":

@@ -397,6 +397,15 @@ def test_jax_backend_load_without_the_import_names_the_package(jax_result):
     assert jax_result["loaded_type"] == "StableBatchNormalization"  # after the import
 
 
+def test_jax_backend_stall_warns_once_under_jit_from_one_custom_call(jax_result):
+    """The default layer at 1e6 under fit (jit) warns once, the compensated one never; the
+    check is one FFI call (a lax.cond with a callback cost ~0.5 ms per layer and step)."""
+    stall = jax_result["stall"]
+    assert stall["warnings_compensated_False"] == 1, stall
+    assert stall["warnings_compensated_True"] == 0, stall
+    assert stall["ffi_check"] and not stall["cond"], stall
+
+
 def test_jax_backend_fit_partial_last_batch_and_reload(jax_result):
     fit = jax_result["fit"]
     assert fit["bn_classes"] == ["StableBatchNormalization"] * 3

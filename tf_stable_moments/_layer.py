@@ -709,7 +709,8 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
             moving_variance * self.momentum + variance * (1.0 - self.momentum)
         )
         if not self.compensated_moving_stats:
-            _advice.check(self, moving_mean, mean_hi, variance)  # warns once if it cannot move
+            # Warns once if it cannot move; returns moving_mean (on JAX through the check).
+            moving_mean = _advice.check(self, moving_mean, mean_hi, variance)
             self.moving_mean.assign(moving_mean * self.momentum + mean_hi * (1.0 - self.momentum))
             return
         correction = ops.cast(self.moving_mean_correction, mean_hi.dtype)

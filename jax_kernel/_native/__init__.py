@@ -24,9 +24,30 @@ LIBRARY = os.path.join(HERE, "_stable_moments_ffi.so")
 TARGET = "tf_stable_moments_native_moments"  # the FFI target name
 SYMBOL = "StableMoments"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in stable_moments_ffi.cc
 LO_TARGET, LO_SYMBOL = "tf_stable_moments_native_mean_lo", "StableMeanLo"
+STALL_TARGET, STALL_SYMBOL = "tf_stable_moments_native_stall_check", "StableStallCheck"
 
 _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
+
+# The stall check's reporter: the library calls it (from an XLA thread; ctypes takes the
+# GIL) the first time a channel of a layer stalls; it hands the vectors to the Python
+# function set with `set_stall_reporter`.
+_FLOATS = ctypes.POINTER(ctypes.c_float)
+_REPORTER = ctypes.CFUNCTYPE(None, ctypes.c_int64, _FLOATS, _FLOATS, _FLOATS, ctypes.c_int64)
+_REPORT = {"fn": None}
+
+
+@_REPORTER
+def _reporter(token, moving, mean, var, n):
+    fn = _REPORT["fn"]
+    if fn is not None:
+        fn(int(token), *(np.ctypeslib.as_array(p, (int(n),)).copy() for p in (moving, mean, var)))
+
+
+def set_stall_reporter(fn):
+    """fn(token, moving_mean, mean, variance) (numpy float32 vectors) is called the first
+    time `stall_call` finds a stalled channel for `token`."""
+    _REPORT["fn"] = fn
 
 
 def _build_in_cache():
@@ -42,7 +63,14 @@ def _build_in_cache():
 
 def _open(path):
     lib = ctypes.CDLL(path)
-    handlers = [(TARGET, getattr(lib, SYMBOL)), (LO_TARGET, getattr(lib, LO_SYMBOL))]
+    handlers = [
+        (TARGET, getattr(lib, SYMBOL)),
+        (LO_TARGET, getattr(lib, LO_SYMBOL)),
+        (STALL_TARGET, getattr(lib, STALL_SYMBOL)),
+    ]
+    lib.SetStallReporter.argtypes = [_REPORTER]
+    lib.SetStallReporter.restype = None
+    lib.SetStallReporter(_reporter)
     for target, handler in handlers:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     return lib
@@ -152,4 +180,29 @@ def mean_lo_call(x, mean, var, ddof, fmt):
             precision=np.int64(fmt.precision),
             emin=np.int64(fmt.emin),
             emax=np.int64(fmt.emax),
+        )
+
+
+def stall_call(moving_mean, mean, variance, momentum, epsilon, threshold, token):
+    """The stall test (tf_stable_moments/_advice.py) of one layer's float32 [c] vectors as
+    one FFI call: returns moving_mean itself (use it, so that XLA keeps the call); the
+    reporter of `set_stall_reporter` hears of the first stall of `token`.  No derivative:
+    the inputs are passed through stop_gradient."""
+    if load() is None:
+        raise RuntimeError("stall_call: the native kernel is unavailable or switched off")
+    moving_mean, mean, variance = (jax.lax.stop_gradient(v) for v in (moving_mean, mean, variance))
+    with jax.enable_x64(True):
+        call = jax.ffi.ffi_call(
+            STALL_TARGET,
+            jax.ShapeDtypeStruct(moving_mean.shape, moving_mean.dtype),
+            vmap_method="broadcast_all",
+        )
+        return call(
+            moving_mean,
+            mean,
+            variance,
+            momentum=np.float32(momentum),
+            epsilon=np.float32(epsilon),
+            threshold=np.float32(threshold),
+            token=np.int64(token),
         )
