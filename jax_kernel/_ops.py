@@ -157,3 +157,8 @@ def pair_sum(h, l, axis):
     """Compensated sum of pairs along axis, in whatever order XLA reduces."""
     zero = np.zeros((), h.dtype)
     return lax.reduce((h, l), (zero, zero), _pair, (axis,))
+
+
+def exact_sum(x, axis):
+    """sum x along axis for float64 terms whose partial sums are exact (mean_lo)."""
+    return jnp.sum(x, axis=axis)

@@ -741,7 +741,7 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     nb = _nbits(ops, c)
     shift = ops.minimum(ops.maximum(half + nb - 52, -1000), 1000)
     scaled = ops.round(d * ops.expand_dims(pow2(ops, -shift), axis))
-    total = ops.sum(scaled, axis)  # exact: |total| < 2**53
+    total = ops.exact_sum(scaled, axis)  # exact: |total| < 2**53, in any order
     if reduce is not None:
         total = reduce(total)
     lo = total * pow2(ops, shift) * c.rn[0]

@@ -114,7 +114,7 @@ def _kernel_outputs(ops, parts, axis, ddof, n=None, lo=False, exact_only=False):
     out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
     if lo:
         lows = [_kernel.mean_lo(ops, p, axis, m, var, ddof, fmt, n) for p, m in zip(parts, means)]
-        out += [tf.cast(m, dtype) for m in lows]
+        out += [ops.materialize(tf.cast(m, dtype)) for m in lows]  # used per element
     return tuple(out) + (undecided,)
 
 
