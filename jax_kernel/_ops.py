@@ -162,3 +162,13 @@ def pair_sum(h, l, axis):
 def exact_sum(x, axis):
     """sum x along axis for float64 terms whose partial sums are exact (mean_lo)."""
     return jnp.sum(x, axis=axis)
+
+
+def materialize(v):
+    """v as a buffer of its own: min(v, +inf) over a stacked pair, the same values (signed
+    zeros and NaN included).  XLA fuses a cheap per-slice chain into each consumer, i.e.
+    recomputes it per element (see tf_stable_moments/_ops.py `_materialize_xla`); a
+    reduction is not fused into its consumers.  Measured on the CPU backend without the
+    native kernel: six 1x1 conv + BN layers on [8, 8, 8, 128], 1.71x keras's jit step
+    with mean_lo's rounding fused, 1.33x without."""
+    return jnp.min(jnp.stack([v, jnp.full_like(v, jnp.inf)]), axis=0)
