@@ -327,13 +327,36 @@ def test_the_native_op_reads_a_range_of_axes_and_differentiates_directly():
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
-def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation():
+def _plain_mean_lo(laid, axis, m64, v64, fmt):
+    from moments_core import _kernel
+    from tf_stable_moments import _ops
+
+    return _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, fmt)
+
+
+def _xla_mean_lo(laid, axis, m64, v64, fmt):
+    from moments_core import _kernel
+    from tf_stable_moments import _ops
+
+    @tf.function(jit_compile=True)
+    def compiled(laid, m64, v64):
+        return _kernel.mean_lo(_ops.XLA, laid, axis, m64, v64, 0, fmt)
+
+    return compiled(laid, m64, v64)
+
+
+@pytest.mark.parametrize(
+    "formulation",
+    [_plain_mean_lo, _xla_mean_lo],
+    ids=["plain_operations", "xla_under_jit_compile"],
+)
+def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation(formulation):
     """StableMeanLo (moments.h `mean_lo`) against moments_core/_kernel.py `mean_lo` on
-    plain TensorFlow operations (what served the native path before): offsets, mixed
-    magnitudes, inputs near the bottom and the top of each format's range, a NaN."""
-    from moments_core import _kernel
+    plain TensorFlow operations (what served the native path before) and inside an XLA
+    computation (its fixed-point sum in `_variadic`'s column blocks, exact in any order):
+    offsets, mixed magnitudes, inputs near the bottom and the top of each format's
+    range, a NaN."""
     from moments_core._formats import FORMATS
-    from tf_stable_moments import _ops
 
     for x, axes in datasets.mean_lo_cases():
         xt = tf.constant(x)
@@ -346,37 +369,8 @@ def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation():
         for p, m in zip(parts, means):
             laid, axis = tf_moments._layout(p, axes)
             m64 = tf.cast(tf.reshape(m, [-1]), tf.float64)
-            low = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, FORMATS[work.name])
+            low = formulation(laid, axis, m64, v64, FORMATS[work.name])
             want.append(tf.cast(low, work).numpy())
-        got = lo.numpy().ravel()
-        want = want[0] if len(want) == 1 else (want[0] + 1j * want[1]).astype(got.dtype)
-        assert np.array_equal(bits(got), bits(want.ravel())), (x.dtype, x.shape, axes)
-
-
-def test_the_xla_mean_lo_under_jit_compile_gives_the_native_bits():
-    """mean_lo inside an XLA computation (its fixed-point sum in `_variadic`'s column
-    blocks, any order exact) against the native StableMeanLo op, on the same cases."""
-    from moments_core import _kernel
-    from moments_core._formats import FORMATS
-    from tf_stable_moments import _ops
-
-    for x, axes in datasets.mean_lo_cases():
-        xt = tf.constant(x)
-        mean, lo, var = tf_moments.stats(xt, axes, 0, lo=True)
-        parts = tf_moments._parts(xt)
-        work = parts[0].dtype
-        means = [mean] if len(parts) == 1 else [tf.math.real(mean), tf.math.imag(mean)]
-        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
-        want = []
-        for p, m in zip(parts, means):
-            laid, axis = tf_moments._layout(p, axes)
-            m64 = tf.cast(tf.reshape(m, [-1]), tf.float64)
-
-            @tf.function(jit_compile=True)
-            def xla_lo(laid, m64, v64, axis=axis, fmt=FORMATS[work.name]):
-                return _kernel.mean_lo(_ops.XLA, laid, axis, m64, v64, 0, fmt)
-
-            want.append(tf.cast(xla_lo(laid, m64, v64), work).numpy())
         got = lo.numpy().ravel()
         want = want[0] if len(want) == 1 else (want[0] + 1j * want[1]).astype(got.dtype)
         assert np.array_equal(bits(got), bits(want.ravel())), (x.dtype, x.shape, axes)

@@ -13,7 +13,6 @@
 // come as float32, and their results are values of their own format, exactly castable back).
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -150,9 +149,8 @@ ffi::Error StableMeanLoImpl(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffe
 // layers on the JAX backend, as one custom call instead of a lax.cond around a
 // jax.debug.callback (which cost a compiled training step about 0.5 ms per layer on a
 // 2-core CPU, taken or not).  moving, mean, var: F32 [c] -> moving again (the caller
-// uses it, so XLA keeps the call).  Per channel: stalled when |mean - moving| *
-// (1 - momentum) is below half an ulp of moving and |mean - moving| > threshold *
-// sqrt(var + epsilon), as the TF op StableStallCheck.  The first time a channel of
+// uses it, so XLA keeps the call).  The test is moments.h `any_stalled`, as in the TF
+// op StableStallCheck.  The first time a channel of
 // layer `token` stalls, the reporter set by SetStallReporter (a ctypes callback, which
 // takes the GIL itself) is called with the three vectors; afterwards nothing is tested.
 using StallReporter = void (*)(int64_t token, const float* moving, const float* mean,
@@ -179,16 +177,9 @@ ffi::Error StableStallCheckImpl(ffi::Buffer<ffi::F32> moving, ffi::Buffer<ffi::F
     std::lock_guard<std::mutex> lock(stall_mutex);
     if (stall_reported.count(token)) return ffi::Error::Success();
   }
-  const float keep = 1.0f - momentum;
-  bool stalled = false;
-  for (int64_t i = 0; i < n && !stalled; ++i) {
-    const float magnitude = std::fabs(m[i]);
-    const float ulp = std::nextafter(magnitude, INFINITY) - magnitude;
-    const float distance = std::fabs(b[i] - m[i]);
-    const float spread = std::sqrt(v[i] + epsilon);
-    stalled = distance * keep < ulp / 2 && distance > threshold * spread;
+  if (!stable_moments::any_stalled(m, b, v, n, momentum, epsilon, threshold)) {
+    return ffi::Error::Success();
   }
-  if (!stalled) return ffi::Error::Success();
   {
     std::lock_guard<std::mutex> lock(stall_mutex);
     if (!stall_reported.insert(token).second) return ffi::Error::Success();

@@ -1034,6 +1034,23 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
   }
 }
 
+// The layers' stall test (tf_stable_moments/_advice.py `check`; the TF op
+// StableStallCheck and the JAX FFI call stable_stall_check): some channel's float32
+// moving mean cannot follow the batch mean, i.e. |mean - moving| * (1 - momentum) is
+// below half an ulp of moving and |mean - moving| > threshold * sqrt(var + epsilon).
+inline bool any_stalled(const float* moving, const float* mean, const float* var, int64_t n,
+                        float momentum, float epsilon, float threshold) {
+  const float keep = 1.0f - momentum;
+  for (int64_t i = 0; i < n; ++i) {
+    const float magnitude = std::fabs(moving[i]);
+    const float ulp = std::nextafter(magnitude, INFINITY) - magnitude;
+    const float distance = std::fabs(mean[i] - moving[i]);
+    const float spread = std::sqrt(var[i] + epsilon);
+    if (distance * keep < ulp / 2 && distance > threshold * spread) return true;
+  }
+  return false;
+}
+
 }  // namespace stable_moments
 
 #endif  // TF_STABLE_MOMENTS_NATIVE_MOMENTS_H_

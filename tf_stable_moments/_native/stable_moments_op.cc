@@ -14,7 +14,6 @@
 #include <Python.h>
 
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -290,16 +289,7 @@ class StableStallCheckOp : public OpKernel {
     const float* m = moving.flat<float>().data();
     const float* b = mean.flat<float>().data();
     const float* v = var.flat<float>().data();
-    const float keep = 1.0f - momentum_;
-    bool stalled = false;
-    for (int64_t i = 0; i < n && !stalled; ++i) {
-      const float magnitude = std::fabs(m[i]);
-      const float ulp = std::nextafter(magnitude, INFINITY) - magnitude;
-      const float distance = std::fabs(b[i] - m[i]);
-      const float spread = std::sqrt(v[i] + epsilon_);
-      stalled = distance * keep < ulp / 2 && distance > threshold_ * spread;
-    }
-    if (!stalled) return;
+    if (!stable_moments::any_stalled(m, b, v, n, momentum_, epsilon_, threshold_)) return;
     {
       std::lock_guard<std::mutex> lock(stall_mutex);
       done_ = true;
