@@ -11,7 +11,8 @@ import jax_kernel
 import tf_stable_moments
 
 # Every implementation of the contract, in every way users run it.  The native
-# kernel serves eager mode and graphs outside XLA; "_xla" modes switch it off
+# kernel serves eager mode, graphs outside XLA and (as XLA custom calls) a user's
+# jit_compile computation on the CPU; "_xla" modes switch it off
 # (TF_STABLE_MOMENTS_NATIVE=0) to run the pure-XLA kernel that accelerators use,
 # "_plain" modes switch XLA off too (the fallback of plain TensorFlow operations).
 MODES = (
@@ -19,6 +20,7 @@ MODES = (
     "tf_function",
     "tf_unknown_shape",
     "tf_jit_compile",
+    "tf_jit_compile_xla",
     "tf_eager_xla",
     "tf_eager_plain",
     "tf_function_plain",
@@ -26,9 +28,10 @@ MODES = (
     "jax_eager",
     "jax_jit_xla",
 )
-# The modes that compile an XLA computation per new shape (seconds each on 2 cores): tests
-# over many shapes run them on a few representative shapes.
-XLA_MODES = ("tf_jit_compile", "tf_eager_xla", "jax_jit_xla")
+# The modes that compile the XLA kernel per new shape (seconds each on 2 cores): tests
+# over many shapes run them on a few representative shapes.  (tf_jit_compile compiles
+# per shape too, but only the custom call and a few operations around it.)
+XLA_MODES = ("tf_jit_compile_xla", "tf_eager_xla", "jax_jit_xla")
 CHEAP_MODES = tuple(m for m in MODES if m not in XLA_MODES)
 # tf_function_plain runs the very computation of tf_eager_plain (the same eager
 # operations, inside a tf.py_function; about a second per call on 2 cores): the tests
@@ -71,7 +74,7 @@ def _tf_function(mode, rank, dtype, axes, ddof):
             spec = [tf.TensorSpec([None] * rank, tf.as_dtype(dtype))]
             _functions[key] = tf.function(fn, input_signature=spec)
         else:
-            _functions[key] = tf.function(fn, jit_compile=mode == "tf_jit_compile")
+            _functions[key] = tf.function(fn, jit_compile=mode.startswith("tf_jit_compile"))
     return _functions[key]
 
 

@@ -146,7 +146,7 @@ COMPLEX_CASES = {
     "inf_real": ([complex(INF, 0.5), 0.25j], (INF, 0.375)),
     "nan_imag": ([complex(0.5, NAN), 0.25], (0.375, NAN)),
 }
-COMPLEX_MODES = ["tf_eager", "tf_jit_compile", "jax_jit"]
+COMPLEX_MODES = ["tf_eager", "tf_jit_compile", "tf_jit_compile_xla", "jax_jit"]
 
 
 def _assert_part(got, expected, what):

@@ -22,12 +22,14 @@ Where the check runs: TensorFlow eager (on the values), tf.function graphs witho
 XLA (float32: the native op StableStallCheck, which calls back into Python the first
 time a channel stalls; else, or without the native library, a tf.cond that calls
 back into Python only when a channel stalls), JAX eager,
-and JAX jit (Keras fit on the JAX backend: a lax.cond whose taken branch is a
-jax.debug.callback).  Not in TensorFlow XLA (jit_compile=True, the Keras default on
-a GPU): a TensorFlow XLA cluster cannot call back into Python.  In compiled code
-(tf.function, JAX jit) the check is added only when the computation runs on the
-CPU: on an accelerator its conditional would synchronize device and host at every
-step; there the check runs in eager calls only.
+JAX jit (Keras fit on the JAX backend: float32, the FFI call stable_stall_check;
+else a lax.cond whose taken branch is a jax.debug.callback), and TensorFlow XLA on
+the CPU (jit_compile=True: float32, the same C++ check as an XLA custom call).  Not
+in TensorFlow XLA without the native library or on an accelerator (jit_compile is
+the Keras default on a GPU): such an XLA cluster cannot call back into Python.  In
+compiled code (tf.function, JAX jit, XLA) the check is added only when the
+computation runs on the CPU: on an accelerator its conditional would synchronize
+device and host at every step; there the check runs in eager calls only.
 """
 
 import itertools
@@ -129,8 +131,7 @@ def check(layer, moving_mean, mean, variance):
 
     if keras.backend.backend() == "jax":
         return _check_jax(layer, moving_mean, mean, variance)
-    _check_tf(layer, moving_mean, mean, variance)
-    return moving_mean
+    return _check_tf(layer, moving_mean, mean, variance)
 
 
 def _check_jax(layer, moving_mean, mean, variance):
@@ -170,18 +171,27 @@ def _check_tf(layer, moving_mean, mean, variance):
 
     if tf.executing_eagerly():
         _report(layer, *(t.numpy() for t in (moving_mean, mean, variance)))
-        return
+        return moving_mean
+    from tf_stable_moments import _native
     from tf_stable_moments._xla_context import in_xla_context
 
-    if in_xla_context() or tf.config.list_logical_devices("GPU"):
-        return  # XLA cannot call back; on a GPU the cond would sync device and host each step
+    float32 = moving_mean.dtype == tf.float32
+    if in_xla_context():
+        # XLA on the CPU: the native check as a custom call, which returns moving_mean (the
+        # update uses that output, so XLA keeps the call); otherwise XLA cannot call back.
+        if float32 and moving_mean.shape.is_fully_defined() and _native.xla_available():
+            values = (tf.stop_gradient(t) for t in (moving_mean, mean, variance))
+            args = (layer.momentum, layer.epsilon, THRESHOLD, _token(layer))
+            return _native.xla_stall_check(*values, *args)
+        return moving_mean
+    if tf.config.list_logical_devices("GPU"):
+        return moving_mean  # on a GPU the cond would sync device and host at each step
     # Nothing here has a gradient: no tape records the check (a recorded cond would have
     # its branches rebuilt for the gradient: seconds of tracing in a deep model).
+    checked = moving_mean
     moving_mean, mean, variance = (tf.stop_gradient(t) for t in (moving_mean, mean, variance))
-    from tf_stable_moments import _native
-
     op = _native.stall_op()
-    if op is not None and moving_mean.dtype == tf.float32:
+    if op is not None and float32:
         op(
             moving_mean,
             mean,
@@ -191,7 +201,7 @@ def _check_tf(layer, moving_mean, mean, variance):
             threshold=THRESHOLD,
             token=_token(layer),
         )
-        return
+        return checked
     magnitude = tf.abs(moving_mean)
     ulp = tf.math.nextafter(magnitude, tf.constant(np.inf, magnitude.dtype)) - magnitude
     distance = tf.abs(mean - moving_mean)
@@ -207,3 +217,4 @@ def _check_tf(layer, moving_mean, mean, variance):
         lambda: tf.py_function(warn, [moving_mean, mean, variance], tf.bool),
         lambda: tf.constant(False),
     )
+    return checked

@@ -436,6 +436,28 @@ def _native_stats(op, x, axes, ddof, lo):
     return _native_output(x, mean, work), _native_output(x, mean_lo, work), var, undecided
 
 
+def _native_xla_stats(x, axes, ddof, lo):
+    """(mean, mean_lo, var, undecided) from the native kernels as one custom call inside a
+    user's XLA computation, or None where they cannot serve it (the library missing, an
+    accelerator visible, the exact-only switch, kept axes unknown while tracing: the
+    custom call's result shapes are fixed then).  The results are certified: the bits of
+    every other implementation."""
+    if _exact_only() or not _native.xla_available():
+        return None
+    work = _compute_dtype(x.dtype)
+    y, attrs, _ = _native_input(x, axes, ddof)
+    dims = y.shape.as_list()
+    mean_shape = dims[: attrs["axis_begin"]] + dims[attrs["axis_end"] :]
+    var_shape = mean_shape[:-1] if attrs["parts"] == 2 else mean_shape
+    if None in mean_shape:
+        return None
+    out = _native.xla_moments(y, attrs, lo, mean_shape, var_shape)
+    mean, var, undecided = out[0], out[1], out[-1]
+    var = var if var.dtype == work else tf.cast(var, work)
+    mean_lo = _native_output(x, out[2], work) if lo else None
+    return _native_output(x, mean, work), mean_lo, var, undecided
+
+
 @tf.autograph.experimental.do_not_convert
 def stats(x, axes, ddof, lo=True):
     """(mean, mean_lo, var) shaped like the kept axes; mean_lo is None unless lo.
@@ -446,6 +468,10 @@ def stats(x, axes, ddof, lo=True):
     op = _native_op()
     if op is not None:
         return _native_stats(op, x, axes, ddof, lo)[:3]
+    if in_xla_context():
+        out = _native_xla_stats(x, axes, ddof, lo)
+        if out is not None:
+            return out[:3]
     parts = _parts(x)
     laid = [_layout(p, axes) for p in parts]
     out = _slice_moments([p for p, _ in laid], laid[0][1], ddof, lo)

@@ -33,10 +33,12 @@ FLAGS = ["-shared", "-fPIC", "-O3", "-ffp-contract=off", "-std=c++17", "-w", "-p
 
 _QUERY = {
     # Python's headers too: the op StableStallCheck calls back into Python (a warning).
+    # libtensorflow_cc holds XLA's custom-call registry (the kernels inside jit_compile).
     "tensorflow": (
         "import json, sysconfig, tensorflow as tf; "
         "print(json.dumps([tf.sysconfig.get_compile_flags() + "
-        "['-I' + sysconfig.get_paths()['include']], tf.sysconfig.get_link_flags()]))"
+        "['-I' + sysconfig.get_paths()['include']], "
+        "tf.sysconfig.get_link_flags() + ['-l:libtensorflow_cc.so.2']]))"
     ),
     "jax": "import json, jax; print(json.dumps([['-I' + jax.ffi.include_dir()], []]))",
 }

@@ -67,6 +67,76 @@ def stall_op():
     return _state["stall"] if op() is not None else None
 
 
+# ------------------------------------------------------------- inside XLA (jit_compile)
+# The library registers its kernels with TensorFlow's XLA as custom calls for the CPU
+# (stable_moments_op.cc); TensorFlow's XlaCustomCallV2 op calls them from a user's XLA
+# computation.  XLA then compiles nothing of the kernel (the pure-XLA kernel, which it
+# compiled into every layer of a model, cost seconds per layer).
+def _custom_call_op():
+    try:
+        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+    except ImportError:  # pragma: no cover - a TensorFlow without the op
+        return None
+    return getattr(gen_xla_ops, "xla_custom_call_v2", None)
+
+
+def xla_available():
+    """Whether the native kernels serve a user's XLA computation being traced now: the
+    library is loaded and no accelerator is visible (XLA would compile the computation
+    for it, and the calls are registered for the CPU only)."""
+    if op() is None or _custom_call_op() is None:
+        return False
+    return not (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+
+
+def xla_moments(y, attrs, lo, mean_shape, var_shape):
+    """(mean, var, [mean_lo,] undecided): StableMoments (and StableMeanLo) of `y` with
+    `attrs` (those of the ops) as one custom call in the XLA computation being traced;
+    the static result shapes are the caller's (keepdims false)."""
+    config = " ".join(
+        str(v)
+        for v in (
+            y.dtype.size,
+            y.shape.rank,
+            attrs["ddof"],
+            attrs["precision"],
+            attrs["emin"],
+            attrs["emax"],
+            attrs["parts"],
+            attrs["axis_begin"],
+            attrs["axis_end"],
+            int(lo),
+        )
+    )
+    dtypes = [y.dtype, y.dtype] + ([y.dtype] if lo else []) + [tf.int64]
+    shapes = [mean_shape, var_shape] + ([mean_shape] if lo else []) + [[]]
+    return _custom_call_op()(
+        operands=[y, tf.shape(y, out_type=tf.int64)],
+        call_target_name="tf_stable_moments_moments",
+        backend_config=config,
+        has_side_effect=False,
+        result_dtypes=dtypes,
+        result_shapes=shapes,
+    )
+
+
+def xla_stall_check(moving_mean, mean, variance, momentum, epsilon, threshold, token):
+    """StableStallCheck as a custom call in the XLA computation being traced (float32
+    vectors of a static length): returns moving_mean, which the update must use so that
+    XLA keeps the call."""
+    config = f"{float(momentum)!r} {float(epsilon)!r} {float(threshold)!r} {int(token)}"
+    size = tf.size(moving_mean, out_type=tf.int64)[None]
+    (out,) = _custom_call_op()(
+        operands=[moving_mean, mean, variance, size],
+        call_target_name="tf_stable_moments_stall_check",
+        backend_config=config,
+        has_side_effect=False,
+        result_dtypes=[tf.float32],
+        result_shapes=[moving_mean.shape],
+    )
+    return out
+
+
 tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no tangent
 
 

@@ -11,18 +11,29 @@
 //
 // The target format (precision, emin, emax) is an attribute: float16 and bfloat16 data come
 // as float32 and their results are values of their own format (exactly castable back).
+//
+// The same kernels serve a user's XLA computation on the CPU (tf.function(jit_compile=True),
+// Keras jit_compile) as XLA custom calls, registered with TensorFlow's XLA below and
+// emitted by TensorFlow's own XlaCustomCallV2 op (tf_stable_moments/_native/__init__.py).
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <set>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "moments.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "xla/service/custom_call_status.h"
+#include "xla/service/custom_call_target_registry.h"
 
 namespace {
 
@@ -269,6 +280,32 @@ PyObject* list_of(const float* v, int64_t n) {
   return list;
 }
 
+// The stall check of layer `token` (StableStallCheck and the XLA call below): true once it
+// has reported (the caller may stop checking).  The first time a channel stalls, takes the
+// GIL and calls tf_stable_moments._advice._native_report(token, moving, mean, var).
+bool StallCheck(const float* m, const float* b, const float* v, int64_t n, float momentum,
+                float epsilon, float threshold, int64_t token) {
+  if (!stable_moments::any_stalled(m, b, v, n, momentum, epsilon, threshold)) return false;
+  {
+    std::lock_guard<std::mutex> lock(stall_mutex);
+    if (!stall_reported.insert(token).second) return true;
+  }
+  if (!Py_IsInitialized()) return true;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* module = PyImport_ImportModule("tf_stable_moments._advice");
+  PyObject* result = nullptr;
+  if (module) {
+    result = PyObject_CallMethod(module, "_native_report", "LNNN",
+                                 static_cast<long long>(token), list_of(m, n), list_of(b, n),
+                                 list_of(v, n));
+  }
+  if (!result) PyErr_Print();
+  Py_XDECREF(result);
+  Py_XDECREF(module);
+  PyGILState_Release(gil);
+  return true;
+}
+
 class StableStallCheckOp : public OpKernel {
  public:
   explicit StableStallCheckOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -286,28 +323,10 @@ class StableStallCheckOp : public OpKernel {
     const int64_t n = moving.NumElements();
     OP_REQUIRES(ctx, mean.NumElements() == n && var.NumElements() == n,
                 tensorflow::errors::InvalidArgument("StableStallCheck: sizes differ"));
-    const float* m = moving.flat<float>().data();
-    const float* b = mean.flat<float>().data();
-    const float* v = var.flat<float>().data();
-    if (!stable_moments::any_stalled(m, b, v, n, momentum_, epsilon_, threshold_)) return;
-    {
-      std::lock_guard<std::mutex> lock(stall_mutex);
+    if (StallCheck(moving.flat<float>().data(), mean.flat<float>().data(),
+                   var.flat<float>().data(), n, momentum_, epsilon_, threshold_, token_)) {
       done_ = true;
-      if (!stall_reported.insert(token_).second) return;
     }
-    if (!Py_IsInitialized()) return;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* module = PyImport_ImportModule("tf_stable_moments._advice");
-    PyObject* result = nullptr;
-    if (module) {
-      result = PyObject_CallMethod(module, "_native_report", "LNNN",
-                                   static_cast<long long>(token_), list_of(m, n),
-                                   list_of(b, n), list_of(v, n));
-    }
-    if (!result) PyErr_Print();
-    Py_XDECREF(result);
-    Py_XDECREF(module);
-    PyGILState_Release(gil);
   }
 
  private:
@@ -317,5 +336,103 @@ class StableStallCheckOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("StableStallCheck").Device(DEVICE_CPU), StableStallCheckOp);
+
+// ------------------------------------------------------------------ XLA custom calls
+// Inside a user's XLA computation on the CPU no TensorFlow kernel runs: the Python wrapper
+// emits TensorFlow's own XlaCustomCallV2 op there, which XLA compiles into a call of one of
+// the functions below (registered for the "Host" platform when this library loads; the
+// form XlaCustomCallV2 emits: STATUS_RETURNING_UNIFIED, row-major buffers, a tuple result
+// as an array of buffers).  XLA compiles nothing of the kernel itself, so a model's first
+// jit_compile step costs about what it costs with keras's layers.  The opaque string (the
+// op's backend_config, fixed when the graph is traced) holds the attributes; x's shape,
+// which may be known only when XLA compiles, comes as an int64 operand.
+
+int Threads() {
+  unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::min<unsigned>(std::max<unsigned>(hw, 1u), 8u));
+}
+
+// "tf_stable_moments_moments": StableMoments, and with lo = 1 StableMeanLo, in one call.
+//   in:  x (as the ops' input), int64 [rank] x's shape
+//   out: (mean, variance, undecided int64 []), with lo (mean, variance, mean_lo, undecided)
+//   opaque: "bytes rank ddof precision emin emax parts axis_begin axis_end lo" (bytes 4, 8)
+// The wrapper checks the attributes when it traces (the same checks as the ops').
+template <typename T>
+void XlaMoments(void** out, const void** in, const CommonAttrs& a, int rank, bool lo) {
+  const int64_t* shape = static_cast<const int64_t*>(in[1]);
+  const int data = rank - (a.parts == 2 ? 1 : 0);
+  int64_t outer = 1, n = 1, inner = 1;
+  for (int d = 0; d < data; ++d) (d < a.begin ? outer : d < a.end ? n : inner) *= shape[d];
+  const T* x = static_cast<const T*>(in[0]);
+  T* mean = static_cast<T*>(out[0]);
+  T* var = static_cast<T*>(out[1]);
+  stable_moments::Result r = stable_moments::moments<T>(x, outer, n, inner, a.parts, a.ddof,
+                                                        a.format, mean, var, Threads());
+  if (lo) {
+    stable_moments::mean_lo<T>(x, outer, n, inner, a.parts, a.ddof, a.format, mean, var,
+                               static_cast<T*>(out[2]));
+  }
+  *static_cast<int64_t*>(out[lo ? 3 : 2]) = r.undecided;
+}
+
+void tf_stable_moments_moments(void* out, const void** in, const char* opaque,
+                               size_t opaque_len, XlaCustomCallStatus*) {
+  std::string config(opaque, opaque_len);
+  CommonAttrs a;
+  int bytes = 0, rank = 0, lo = 0;
+  long long ddof = 0;
+  if (std::sscanf(config.c_str(), "%d %d %lld %d %d %d %d %d %d %d", &bytes, &rank, &ddof,
+                  &a.format.precision, &a.format.emin, &a.format.emax, &a.parts, &a.begin,
+                  &a.end, &lo) != 10) {
+    return;  // not emitted by the wrapper (no error channel: XLA's setter is not exported)
+  }
+  a.ddof = ddof;
+  void** outs = static_cast<void**>(out);
+  if (bytes == 8) {
+    XlaMoments<double>(outs, in, a, rank, lo != 0);
+  } else {
+    XlaMoments<float>(outs, in, a, rank, lo != 0);
+  }
+}
+
+// "tf_stable_moments_stall_check": StableStallCheck inside XLA.  It returns the moving mean
+// it was given (the layer updates from that output, so XLA keeps the call).
+//   in:  moving_mean, mean, variance (float32 [c]), int64 [1] c;  out: moving_mean
+//   opaque: "momentum epsilon threshold token"
+void tf_stable_moments_stall_check(void* out, const void** in, const char* opaque,
+                                   size_t opaque_len, XlaCustomCallStatus*) {
+  const int64_t n = *static_cast<const int64_t*>(in[3]);
+  const float* moving = static_cast<const float*>(in[0]);
+  std::memcpy(out, moving, sizeof(float) * n);
+  std::string config(opaque, opaque_len);
+  float momentum = 0, epsilon = 0, threshold = 0;
+  long long token = 0;
+  if (std::sscanf(config.c_str(), "%f %f %f %lld", &momentum, &epsilon, &threshold,
+                  &token) != 4) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(stall_mutex);
+    if (stall_reported.count(token)) return;  // this layer has warned
+  }
+  StallCheck(moving, static_cast<const float*>(in[1]), static_cast<const float*>(in[2]), n,
+             momentum, epsilon, threshold, token);
+}
+
+// Registered once per process (a second copy of this library, loaded from elsewhere, finds
+// the names taken and leaves them: XLA refuses two addresses for one name).
+struct RegisterXlaTargets {
+  RegisterXlaTargets() {
+    auto* registry = xla::CustomCallTargetRegistry::Global();
+    const std::pair<const char*, void*> targets[] = {
+        {"tf_stable_moments_moments", reinterpret_cast<void*>(&tf_stable_moments_moments)},
+        {"tf_stable_moments_stall_check",
+         reinterpret_cast<void*>(&tf_stable_moments_stall_check)},
+    };
+    for (const auto& [name, address] : targets) {
+      if (registry->Lookup(name, "Host") == nullptr) registry->Register(name, address, "Host");
+    }
+  }
+} register_xla_targets;
 
 }  // namespace
