@@ -10,8 +10,9 @@ Usage: python benchmarks/speed.py [--quick] [--reps 15] [--out results] [--sweep
 --sweep adds a size sweep (time against the number of elements, 2**10 ... 2**26 in steps
 of 4x, float32 N(1e6, 1) of shape [2**k / 1024, 1024] reduced along axis 1, every mode
 against tf.nn.moments, jnp.var and one reduce_sum pass) plotted log-log into
-results/speed.png; --sweep-only runs only that.  It is not in the default run: the
-jit_compile mode compiles the whole kernel once per shape (tens of seconds each on a small
+results/speed.png; --sweep-only runs only that.  It is not in the default run.  The XLA
+kernel under jit_compile (what an accelerator runs; on this CPU jit_compile calls the
+native kernel) compiles the whole kernel once per shape (seconds each on a small
 machine), so it is timed at four of the sizes only.
 """
 
@@ -36,6 +37,7 @@ import jax_kernel  # noqa: E402
 import tf_stable_moments  # noqa: E402
 from jax_kernel import _moments as jax_moments  # noqa: E402
 from tf_stable_moments import _moments as tf_moments  # noqa: E402
+from tf_stable_moments import _native as tf_native  # noqa: E402
 from tf_stable_moments._report import design_note_datasets  # noqa: E402
 
 CASES = [
@@ -62,12 +64,25 @@ def note_reference(x, axes):
     return jnp.squeeze(m, axes), var
 
 
+def xla_kernel(fn):
+    """fn as tf.function(jit_compile=True), traced with the native kernel off: the XLA
+    kernel built into the computation, what an accelerator runs (on this CPU the native
+    kernel serves jit_compile as an XLA custom call)."""
+
+    def traced(v):
+        with tf_native.switched_off():
+            return fn(v)
+
+    return tf.function(traced, jit_compile=True, autograph=False)
+
+
 def implementations(axes, rank):
     ax = list(axes)
     ours_fn = tf.function(lambda v: tf_stable_moments.moments(v, ax))
     unknown = [tf.TensorSpec([None] * rank, tf.float32)]
     ours_dyn = tf.function(lambda v: tf_stable_moments.moments(v, ax), input_signature=unknown)
     ours_xla = tf.function(lambda v: tf_stable_moments.moments(v, ax), jit_compile=True)
+    ours_kernel = xla_kernel(lambda v: tf_stable_moments.moments(v, ax))
     ref_fn = tf.function(lambda v: tf.nn.moments(v, ax))
     ref_xla = tf.function(lambda v: tf.nn.moments(v, ax), jit_compile=True)
     floor_xla = tf.function(lambda v: tf.reduce_sum(v, ax), jit_compile=True)
@@ -78,6 +93,7 @@ def implementations(axes, rank):
         "tf.nn.moments tf.function": ("tf", ref_fn),
         "ours tf.function, unknown shape": ("tf", ours_dyn),
         "ours XLA": ("tf", ours_xla),
+        "ours XLA, XLA kernel": ("tf", ours_kernel),
         "tf.nn.moments XLA": ("tf", ref_xla),
         "reduce_sum XLA (floor)": ("tf", floor_xla),
         "ours JAX jit": ("jax", lambda v: jax_kernel.moments(v, axes)),
@@ -154,7 +170,8 @@ def bench_case(label, shape, axes, reps):
         "axes": axes,
         "input_bytes": x.nbytes,
         # Slices of this input that the fast path leaves to the exact path (part of "ours"):
-        # the native kernel's, and the XLA kernel's (it also decides ties of exact sums).
+        # the native kernel's, and the XLA kernel's (both decide ties of exact sums on the
+        # inputs' lattice, docs section 5).
         "exact_path_slices": round(tf_moments.undecided_fraction(inputs["tf"], axes) * slices),
         "exact_path_slices_xla": _xla_undecided(x, axes),
         "slices": slices,
@@ -416,8 +433,8 @@ def print_exact_path_cost(r, reps):
 def print_fractions(rows):
     print(
         "\nfraction of slices the fast path decides (the rest take the exact path), "
-        "TF and JAX kernels (native on this CPU; agree: TF == JAX), and the XLA kernel (it "
-        "also decides ties of exact sums):"
+        "TF and JAX kernels (native on this CPU; agree: TF == JAX), and the XLA kernel (both "
+        "decide ties of exact sums on the inputs' lattice):"
     )
     head = f"{'TF':>8} {'JAX':>8} {'undecided':>14}  agree {'XLA':>8}"
     print(f"  {'data':28} {'shape':12} {'axes':5} {head}")
@@ -436,7 +453,9 @@ def ratios(result):
     for mode in ("eager", "tf.function", "XLA"):
         key = "TF eager" if mode == "eager" else mode
         out[f"ours/tf.nn.moments {mode}"] = m[f"ours {key}"] / m[f"tf.nn.moments {mode}"]
+    out["ours XLA kernel/tf.nn.moments XLA"] = m["ours XLA, XLA kernel"] / m["tf.nn.moments XLA"]
     out["ours XLA/reduce_sum XLA"] = m["ours XLA"] / m["reduce_sum XLA (floor)"]
+    out["ours XLA kernel/reduce_sum XLA"] = m["ours XLA, XLA kernel"] / m["reduce_sum XLA (floor)"]
     out["ours JAX/note reference"] = m["ours JAX jit"] / m["note reference JAX jit"]
     out["ours JAX/jnp.var"] = m["ours JAX jit"] / m["jnp.var JAX jit"]
     return out
@@ -463,9 +482,11 @@ def environment():
         "for float64 input) with a rigorous error bound; a rounding test decides the "
         "correctly rounded result; undecided slices and slices with NaN/Inf take the exact "
         "integer path (moments_core/_kernel.py, _exact.py). TF eager/graph and JAX outside "
-        "jit: fast and exact path are separate XLA computations, the exact one runs only "
-        "when some slice is undecided; under jit_compile / jax.jit both are one computation "
-        "(the exact path a while loop with no iteration when every slice is decided)",
+        "jit: the native kernel (C++; inside jit_compile on the CPU an XLA custom call, "
+        "in JAX an FFI call); the XLA kernel (accelerators): fast and exact path as separate "
+        "XLA computations where they can be, the exact one run only when some slice is "
+        "undecided, and inside a user's jit_compile / jax.jit one computation (the exact "
+        "path a while loop with no iteration when every slice is decided)",
         # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh
         # pages: XLA temporaries above it page-fault on every call (JAX), see README.
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
@@ -478,7 +499,7 @@ def print_case(r, reps):
     print(
         f"  {r['exact_path_slices']} of {r['slices']} slices of this input take the exact path"
         f" in the native kernel (TF eager, tf.function, JAX jit), {r['exact_path_slices_xla']}"
-        " in the XLA kernel (ours XLA)"
+        " in the XLA kernel (ours XLA, XLA kernel)"
     )
     head = f"{'implementation':32} {'median ms':>10} {'input GB/s':>11} {'peak +MiB':>10}"
     print(f"  {head} {'XLA temp MiB':>13}")
@@ -498,9 +519,9 @@ def print_case(r, reps):
 SWEEP_COLUMNS = 1024  # slices of 1024 elements along axis 1: [2**k / 1024, 1024]
 SWEEP_POWERS = tuple(range(10, 27, 2))
 QUICK_SWEEP_POWERS = (10, 14)
-# jit_compile compiles the kernel per shape (exact path included): timed at these only.
+# The XLA kernel compiles per shape (exact path included): timed at these only.
 SWEEP_XLA_POWERS = (10, 14, 18, 22)
-SWEEP_XLA = "ours XLA (jit_compile)"
+SWEEP_XLA = "ours XLA kernel (jit_compile, accelerators' path)"
 
 
 def sweep_implementations():
@@ -513,6 +534,7 @@ def sweep_implementations():
         "ours TF eager": ("tf", lambda v: tf_stable_moments.moments(v, ax)),
         "ours tf.function": ("tf", tf_fn(lambda v: tf_stable_moments.moments(v, ax))),
         "ours XLA (jit_compile)": ("tf", tf_fn(lambda v: tf_stable_moments.moments(v, ax), True)),
+        SWEEP_XLA: ("tf", xla_kernel(lambda v: tf_stable_moments.moments(v, ax))),
         "ours JAX jit (native FFI)": ("jax", lambda v: jax_kernel.moments(v, (1,))),
         "tf.nn.moments eager": ("tf", lambda v: tf.nn.moments(v, ax)),
         "jnp.var JAX jit": (

@@ -101,7 +101,12 @@ def test_special_values_and_exact_path(dtype):
         if FULL or dtype == np.float32:
             assert_same_bits(got, kernel(x, (0,), 1, native=False))
         _, _, _, undecided = _moments.stats(jnp.asarray(x), (0,), 1, False, False, True, True)
-    assert int(undecided) >= 4  # NaN/Inf slices and the tie take the exact path
+    # The three NaN/Inf slices take the exact path; the tie too where the lattice rule (one
+    # real part with float64 sums: float32 here) does not decide it
+    if dtype == np.float32:
+        assert int(undecided) == 3
+    else:
+        assert int(undecided) >= 4
 
 
 def test_empty_and_degenerate_shapes():

@@ -14,8 +14,8 @@ def test_input_file_report(tmp_path, capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("data.npy"))
     cells = row.split()
-    ours = [float(c) for c in cells[4:8]]  # eager, tf.function, XLA, JAX
-    theirs = [float(c) for c in cells[8:11]]
+    ours = [float(c) for c in cells[4:9]]  # eager, tf.function, XLA, XLA kernel, JAX
+    theirs = [float(c) for c in cells[9:12]]
     assert max(ours) <= 0.5 and min(theirs) > 0.5 and cells[-1] == "yes"
 
 

@@ -6,6 +6,9 @@ import sys
 import numpy as np
 
 _MODES = ("eager", "tf.function", "XLA")
+# Ours also with the XLA kernel under jit_compile (what accelerators run; on the CPU
+# jit_compile calls the native kernel).
+_KERNEL = "XLA kernel"
 
 
 def design_note_datasets():
@@ -29,8 +32,9 @@ def _slices(x, axes):
     return np.transpose(x, kept + list(axes)).reshape(-1, n)
 
 
-def _run_tf(fn, x, axes, programs):
-    """(eager, tf.function, XLA) variances of fn on x.
+def _run_tf(fn, x, axes, programs, xla_kernel=False):
+    """{mode: variances of fn on x} for eager, tf.function, XLA (and with xla_kernel the
+    XLA kernel under jit_compile: traced with the native kernel switched off).
 
     Each graph is traced once per (fn, mode, shape, dtype, axes) as a concrete function
     and reused for every dataset of that signature: datasets of one shape share one XLA
@@ -38,16 +42,25 @@ def _run_tf(fn, x, axes, programs):
     """
     import tensorflow as tf
 
-    def program(jit_compile):
-        key = (fn, jit_compile, x.shape, x.dtype, axes)
+    from tf_stable_moments import _native
+
+    def program(jit_compile, native=True):
+        key = (fn, jit_compile, native, x.shape, x.dtype, axes)
         if key not in programs:
             graph = tf.function(lambda v: fn(v, list(axes)), jit_compile=jit_compile)
-            programs[key] = graph.get_concrete_function(tf.TensorSpec(x.shape, x.dtype))
+            spec = tf.TensorSpec(x.shape, x.dtype)
+            if native:
+                programs[key] = graph.get_concrete_function(spec)
+            else:
+                with _native.switched_off():
+                    programs[key] = graph.get_concrete_function(spec)
         return programs[key]
 
     v = tf.constant(x)
-    outs = (fn(v, list(axes)), program(False)(v), program(True)(v))
-    return {m: np.asarray(out[1]).ravel() for m, out in zip(_MODES, outs)}
+    outs = {"eager": fn(v, list(axes)), "tf.function": program(False)(v), "XLA": program(True)(v)}
+    if xla_kernel:
+        outs[_KERNEL] = program(True, native=False)(v)
+    return {m: np.asarray(out[1]).ravel() for m, out in outs.items()}
 
 
 def report_rows(data):
@@ -61,7 +74,7 @@ def report_rows(data):
     rows, programs = [], {}
     for name, (x, axes) in data.items():
         exact = [exact_value(s, x.dtype)[1] for s in _slices(x, axes)]
-        ours = _run_tf(tf_stable_moments.moments, x, axes, programs)
+        ours = _run_tf(tf_stable_moments.moments, x, axes, programs, xla_kernel=True)
         ours["JAX jit"] = np.asarray(jax_kernel.moments(x, axes)[1]).ravel()
         theirs = _run_tf(tf.nn.moments, x, axes, programs)
         worst = {}
@@ -81,7 +94,8 @@ def report_rows(data):
 
 
 def format_rows(rows):
-    columns = [f"ours {m}" for m in (*_MODES, "JAX jit")] + [f"tf.nn.moments {m}" for m in _MODES]
+    ours = [f"ours {m}" for m in (*_MODES, _KERNEL, "JAX jit")]
+    columns = ours + [f"tf.nn.moments {m}" for m in _MODES]
     lines = [
         "max ulp error of the variance against the exact value (<= 0.5: correctly rounded);",
         "where the exact variance is 0, the largest variance returned.",

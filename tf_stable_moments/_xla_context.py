@@ -15,6 +15,10 @@ Limitation (TensorFlow's function cache): the XLA context is not part of the
 cache key of a plain tf.function.  A plain tf.function first traced outside any
 XLA context and later called inside a jit_compile function reuses that first
 trace (traced with ``in_xla_context() == False``), and the other way round.
+Such a trace holds the kernel of the other side: the native op StableMoments,
+which XLA cannot compile, or XlaCustomCallV2 (the native kernel as an XLA custom
+call), which runs only inside XLA; either fails with TensorFlow's message that
+no kernel supports the op.  Trace the function in the context it runs in.
 """
 
 from tensorflow.python.eager import context as _context

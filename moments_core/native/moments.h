@@ -527,6 +527,102 @@ inline void combine_nums(const Approx& a, const Approx& b, bool pairs, Pair& num
   err = err * kMargin;
 }
 
+// ------------------------------------------------------------------ ties on the lattice (section 5)
+// One real part with float64 sums (precision <= 24), whose inputs are all multiples of
+// q, the unit in the last place of the smallest nonzero |x| in its format: where the sums
+// are small next to q they are exact, and an exact value that lies on a lattice is
+// decided even on a midpoint.  moments_core/_kernel.py `approximate` (its exact sums),
+// `variance_from_exact_sums` and `certify` with `tie`, term for term.  The native kernel
+// tries it on the slices the plain test leaves open (exact ties of the data, mostly: one
+// slice in 16 of float32 N(1e6, 1) with n = 1024, one in 11 of N(0, 1) with n = 8), as
+// they pass to the exact path: it needs the smallest magnitude, which the fast pass does
+// not track, and reads those slices once more instead of binning them.
+
+// `certify` with tie = (where, grid, scale): where it holds, the exact value times D lies
+// in grid * Z for an integer D with 1/D >= scale (1 + 2**-19); a midpoint M is a multiple
+// of a quarter of the candidate's unit, so V != M is at least sep away from M.
+inline bool certify_tie(Pair v, double err, const Format& f, bool where, double grid,
+                        double scale, double& out) {
+  double tiny = pow2(f.emin);
+  bool negative = v.h < 0;
+  double a = std::fabs(v.h);
+  double low = negative ? -v.l : v.l;
+  bool zero = a < 0.25 * tiny && std::fabs(low) < 0.25 * tiny && err < 0.25 * tiny;
+  bool ok = a >= 0.25 * tiny && a < pow2(1000);
+  double safe = ok ? a : 1.0;
+  Nearest nr = nearest(safe, f);
+  double gap = std::min(nr.hi - safe, safe - nr.lo);
+  double value = nr.c;
+  double unit = pow2(exponent_of(safe) - (f.precision - 1));
+  double sep = std::min(grid, 0.25 * unit) * scale * (1.0 - 1.0 / 262144.0);
+  double mid = nr.hi - safe <= safe - nr.lo ? nr.hi : nr.lo;
+  bool on_lattice = ok && where && err + err < sep;
+  if (on_lattice && gap <= err) value = nearest(mid, f).c;
+  if (value >= pow2(f.emax)) value = std::numeric_limits<double>::infinity();
+  if (value < tiny) value = 0.0;
+  bool decided = (ok && err + err < gap) || zero || on_lattice;
+  if (zero) value = 0.0;
+  if (negative && value != 0.0) value = -value;
+  out = value;
+  return decided;
+}
+
+// The smallest |x| >= 2**emin (flushed: below it, 0) of x[k * stride], k < n; inf if none.
+template <typename T>
+double smallest_magnitude(const T* x, int64_t n, int64_t stride, double tiny) {
+  double m = std::numeric_limits<double>::infinity();
+  for (int64_t k = 0; k < n; ++k) {
+    double a = std::fabs(static_cast<double>(x[k * stride]));
+    if (a >= tiny && a < m) m = a;
+  }
+  return m;
+}
+
+// Mean and variance of one slice (K, s1 = sum y, s2 = sum y**2, its smallest magnitude)
+// by the lattice rules; false where they do not decide both.
+inline bool lattice_moments(double k, double s1, double s2, double smallest, double n,
+                            Pair rn, Pair rd, bool defined, const Format& f, double& mean,
+                            double& var) {
+  if (!std::isfinite(s1) || !std::isfinite(s2) || !std::isfinite(smallest)) return false;
+  double b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * kMargin;
+  double unit = pow2(std::min(exponent_of(smallest), 1000) - (f.precision - 1));
+  double q2 = unit * unit;
+  bool exact = b_up <= 0x1p52 * q2 && n * b_up <= 0x1p104 * q2;
+  double a_abs = std::sqrt(n * b_up) * kMargin;
+  bool exact_mean = a_abs <= 0x1p52 * unit;
+  double d2 = exact ? 0.0 : gamma(n + 2.0) * b_up;
+  double d1 = exact_mean ? 0.0 : gamma(n + 1.0) * a_abs * kMargin;
+  double t = s1 * rn.h;
+  double m = k + t;
+  double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
+  mean_err = (mean_err + kU * std::fabs(m)) * kMargin;
+  if (!certify_tie({m, 0.0}, mean_err, f, exact_mean, unit, rn.h, mean)) return false;
+  if (!defined) {
+    var = std::numeric_limits<double>::quiet_NaN();
+    return true;
+  }
+  Pair v;
+  double err;
+  if (exact) {  // variance_from_exact_sums
+    const double u2 = kU * kU;
+    Pair corr = df_mul(df_mul({s1, 0.0}, rn), {s1, 0.0});
+    Pair num = df_add({s2, 0.0}, {-corr.h, -corr.l});
+    Pair w = df_mul(num, rd);
+    double num_err = (8.0 * u2 * (std::fabs(s2) + std::fabs(corr.h)) + 33.0 * u2 * std::fabs(corr.h)) * kMargin;
+    err = (num_err * rd.h + u2 * std::fabs(num.h) * rd.h + 17.0 * u2 * std::fabs(w.h)) * kMargin;
+    v = {w.h + w.l, 0.0};
+    err = (err + kU * std::fabs(v.h)) * kMargin;
+  } else {  // approximate's numerator with d1, d2 as above, then variance_of
+    double corr = (s1 * s1) * rn.h;
+    double d_corr = d1 * (2.0 * std::fabs(s1) + d1) * rn.h * kMargin + 4.0 * kU * std::fabs(corr);
+    double num = s2 - corr;
+    double num_err = (d2 + d_corr + kU * std::fabs(num)) * kMargin;
+    v = {num * rd.h, 0.0};
+    err = (num_err * rd.h * kMargin + 3.0 * kU * std::fabs(v.h)) * kMargin;
+  }
+  return certify_tie(v, err, f, exact, q2, rn.h * rd.h, var);
+}
+
 // ------------------------------------------------------------------ exact path (section 7)
 // Non-negative big integers, little-endian 64-bit limbs.  Every step is exact.
 using Big = std::vector<uint64_t>;
@@ -819,7 +915,7 @@ inline void exact_result(const ExactPart* ex, int parts, int64_t n, int64_t ddof
 
 // ------------------------------------------------------------------ the whole kernel
 struct Result {
-  int64_t undecided = 0;  // slices the rounding test left to the exact path
+  int64_t undecided = 0;  // slices the rounding tests (plain, then lattice) left to the exact path
 };
 
 // x: [outer, n, inner, parts] (parts 1, or 2 for the real and imaginary parts of complex
@@ -942,6 +1038,19 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
       }
     }
     for (size_t q = at; q < end; ++q) {
+      if (parts == 1 && !pairs) {  // ties on the lattice first (section 5)
+        const T* p = width > 1 ? buf.get() + (q - at) : block;
+        const double small = smallest_magnitude(p, n, width > 1 ? m : 1, tiny);
+        const Sums sm = acc.at(static_cast<size_t>(open[q]));
+        double mean, var;
+        if (lattice_moments(K[open[q]], sm.h1, sm.h2, small, nf, rn, rd, defined, f, mean,
+                            var)) {
+          mean_out[open[q]] = static_cast<T>(mean);
+          var_out[open[q]] = static_cast<T>(var);
+          --res.undecided;
+          continue;
+        }
+      }
       ExactPart ex[2];
       for (int j = 0; j < parts; ++j) {
         if (width > 1) {

@@ -7,6 +7,7 @@ built or loaded, `op()` returns None after one warning and the XLA path serves
 every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
 """
 
+import contextlib
 import os
 import threading
 import warnings
@@ -33,6 +34,21 @@ def _load():
         return tf.load_op_library(path), None
     except (tf.errors.OpError, OSError) as e:  # built for another TensorFlow, say
         return None, f"{path} does not load: {e}"
+
+
+@contextlib.contextmanager
+def switched_off():
+    """TF_STABLE_MOMENTS_NATIVE=0 for the calls and traces inside: a graph traced in it
+    under jit_compile holds the XLA kernel (what an accelerator runs), not the native one."""
+    old = os.environ.get("TF_STABLE_MOMENTS_NATIVE")
+    os.environ["TF_STABLE_MOMENTS_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TF_STABLE_MOMENTS_NATIVE"]
+        else:
+            os.environ["TF_STABLE_MOMENTS_NATIVE"] = old
 
 
 def op():
