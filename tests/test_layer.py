@@ -86,6 +86,75 @@ def test_constant_input_gives_exactly_beta(mode):
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(y), np.broadcast_to(beta, (512, 16)))
 
 
+def _centre_channels(dtype):
+    """[16, 3, 7] columns: offsets, N(0, 1), a constant, tiny values whose differences are
+    subnormal (flushed), huge ones, a NaN channel and an Inf one."""
+    rng = np.random.default_rng(5)
+    tiny = np.finfo(dtype).tiny
+    x = np.stack(
+        [
+            rng.normal(1e6, 1.0, (16, 3)),
+            rng.normal(0.0, 1.0, (16, 3)),
+            np.full((16, 3), 7.25),
+            tiny * (1.0 + rng.integers(0, 4, (16, 3)) / 8),
+            rng.normal(0.0, 1e30, (16, 3)),
+            np.where(rng.uniform(size=(16, 3)) < 0.1, np.nan, 1.0),
+            np.where(rng.uniform(size=(16, 3)) < 0.1, np.inf, 2.0),
+        ],
+        axis=-1,
+    ).astype(dtype)
+    x[0, 0, 5], x[1, 1, 6] = np.nan, np.inf
+    return x
+
+
+def _assert_same(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.array_equal(np.isnan(a), np.isnan(b)), what
+    keep = ~np.isnan(a)
+    width = {4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    assert np.array_equal(a[keep].view(width), b[keep].view(width)), what
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_native_centre_op_has_the_bits_of_the_composite_path(dtype, graph, monkeypatch):
+    """StableCentre (one native op, its gradient registered: eager and graphs outside XLA)
+    against tf.custom_gradient around the kernel's statistics and the residual ops (the
+    path under XLA and with a mask): r, var, mean, mean_lo, the input gradient and a
+    second derivative (a Hessian-vector product) have the same bits, NaN and Inf channels
+    and subnormal (flushed) differences included."""
+    from tf_stable_moments import _layer, _moments
+
+    x = tf.constant(_centre_channels(dtype))
+    rng = np.random.default_rng(6)
+    weights = [tf.constant(rng.normal(size=s).astype(dtype)) for s in (x.shape, (7,), (7,))]
+    tangent = tf.constant(rng.normal(size=x.shape).astype(dtype))
+    centre = _layer._backend_centre("tensorflow")
+
+    def step(v):
+        with tf.GradientTape() as outer:
+            outer.watch(v)
+            with tf.GradientTape() as inner:
+                inner.watch(v)
+                out = centre(v, None, (0, 1))
+                safe = [tf.where(tf.math.is_finite(o), o, tf.zeros_like(o)) for o in out[:3]]
+                loss = sum(tf.reduce_sum(o * w) for o, w in zip(safe, weights))
+            grad = inner.gradient(loss, v)
+            directional = tf.reduce_sum(tf.where(tf.math.is_finite(grad), grad, 0) * tangent)
+        return (*out, grad, outer.gradient(directional, v))
+
+    run = tf.function(step) if graph else step
+    native = run(x)
+    with monkeypatch.context() as patch:
+        patch.setattr(_moments, "native_centre", lambda v, axes: None)
+        run = tf.function(step) if graph else step
+        composite = run(x)
+    names = ("r", "var", "mean", "mean_lo", "gradient", "second derivative")
+    for name, a, b in zip(names, native, composite, strict=True):
+        _assert_same(a, b, name)
+    assert not np.any(np.asarray(native[0])[..., 3])  # subnormal differences flushed
+
+
 def test_masked_moments_are_exact_at_offset():
     rng = np.random.default_rng(1)
     x = _offset_data(1e6, shape=(8, 10, 4), seed=1)

@@ -485,6 +485,11 @@ def _backend_centre(name):
         from tf_stable_moments import _moments
 
         def centre(x, w, axes):
+            # Eager and graphs outside XLA: one native op with the gradient registered.
+            out = _moments.native_centre(x, axes) if w is None else None
+            if out is not None:
+                return out
+
             @tf.custom_gradient
             def fn(x):
                 # stop_gradient: tapes must not record the kernel (they would trace its gradient).

@@ -436,6 +436,30 @@ def _native_stats(op, x, axes, ddof, lo):
     return _native_output(x, mean, work), _native_output(x, mean_lo, work), var, undecided
 
 
+def native_centre(x, axes):
+    """(r, var, mean_hi, mean_lo) of the layers' `_centre` (tf_stable_moments/_layer.py, no
+    mask) as one native op, StableCentre, whose registered gradient is the layers'; or None
+    where it does not serve (inside XLA, the native kernel off or missing, the exact-only
+    switch, reduced axes that are not contiguous, a dtype other than float32 and float64).
+    Its statistics are those of `stats`, and r = (x - mean_hi) - mean_lo as TensorFlow
+    evaluates it: the same bits."""
+    op = _native_op()
+    contiguous = axes and tuple(axes) == tuple(range(axes[0], axes[-1] + 1))
+    if op is None or not contiguous or x.dtype not in (tf.float32, tf.float64):
+        return None
+    fmt = FORMATS[x.dtype.name]
+    return tuple(
+        _native.centre_op()(
+            x,
+            precision=fmt.precision,
+            emin=fmt.emin,
+            emax=fmt.emax,
+            axis_begin=axes[0],
+            axis_end=axes[-1] + 1,
+        )
+    )
+
+
 def _native_xla_stats(x, axes, ddof, lo):
     """(mean, mean_lo, var, undecided) from the native kernels as one custom call inside a
     user's XLA computation, or None where they cannot serve it (the library missing, an

@@ -1143,6 +1143,37 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
   }
 }
 
+// ------------------------------------------------------------------ residuals (the layers)
+// r = (x - mean) - mean_lo per element of x [outer, n, inner], mean and mean_lo [outer,
+// inner]: the layers' centring (tf_stable_moments/_layer.py `_centre`), in T as TensorFlow
+// and XLA evaluate it on the CPU, which flush subnormals: a subnormal operand reads as a
+// zero of its sign and a subnormal difference becomes one (whatever this thread's mode).
+template <typename T>
+inline T flush_subnormal(T v) {
+  return std::fabs(v) < std::numeric_limits<T>::min() ? std::copysign(T(0), v) : v;
+}
+
+template <typename T>
+void residuals(const T* x, int64_t outer, int64_t n, int64_t inner, const T* mean,
+               const T* lo, T* r) {
+  std::vector<T> m(static_cast<size_t>(outer * inner)), l(m.size());
+  for (size_t s = 0; s < m.size(); ++s) {
+    m[s] = flush_subnormal(mean[s]);
+    l[s] = flush_subnormal(lo[s]);
+  }
+  for (int64_t o = 0; o < outer; ++o) {
+    const T* mo = m.data() + o * inner;
+    const T* lo_o = l.data() + o * inner;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t at = (o * n + k) * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        const T d = flush_subnormal(static_cast<T>(flush_subnormal(x[at + i]) - mo[i]));
+        r[at + i] = flush_subnormal(static_cast<T>(d - lo_o[i]));
+      }
+    }
+  }
+}
+
 // The layers' stall test (tf_stable_moments/_advice.py `check`; the TF op
 // StableStallCheck and the JAX FFI call stable_stall_check): some channel's float32
 // moving mean cannot follow the batch mean, i.e. |mean - moving| * (1 - momentum) is

@@ -19,7 +19,7 @@ from moments_core.native import build, enabled
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
 _lock = threading.Lock()
-_state = {"tried": False, "op": None, "mean_lo": None, "stall": None}
+_state = {"tried": False, "op": None, "mean_lo": None, "stall": None, "centre": None}
 
 
 def _load():
@@ -70,6 +70,7 @@ def op():
                 _state["op"] = lib.stable_moments
                 _state["mean_lo"] = lib.stable_mean_lo
                 _state["stall"] = lib.stable_stall_check
+                _state["centre"] = lib.stable_centre
         return _state["op"]
 
 
@@ -81,6 +82,11 @@ def mean_lo_op():
 def stall_op():
     """The StableStallCheck op function of the same library, or None (as `op`)."""
     return _state["stall"] if op() is not None else None
+
+
+def centre_op():
+    """The StableCentre op function of the same library, or None (as `op`)."""
+    return _state["centre"] if op() is not None else None
 
 
 # ------------------------------------------------------------- inside XLA (jit_compile)
@@ -154,6 +160,25 @@ def xla_stall_check(moving_mean, mean, variance, momentum, epsilon, threshold, t
 
 
 tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no tangent
+
+
+@tf.RegisterGradient("StableCentre")
+def _stable_centre_grad(op, r_bar, var_bar, mean_bar, _):
+    """The layers' analytic gradient (tf_stable_moments/_layer.py `_centre_vjp`, no mask),
+    r made differentiable as x - mean(x) where a tape may differentiate it again."""
+    from tensorflow.python.eager import record
+
+    from tf_stable_moments import _layer
+
+    x, r = op.inputs[0], op.outputs[0]
+    axes = tuple(range(op.get_attr("axis_begin"), op.get_attr("axis_end")))
+    # Graph gradients pass None for an output nothing depends on.
+    r_bar = tf.zeros_like(r) if r_bar is None else r_bar
+    var_bar = tf.zeros_like(op.outputs[1]) if var_bar is None else var_bar
+    mean_bar = tf.zeros_like(op.outputs[2]) if mean_bar is None else mean_bar
+    if record.could_possibly_record():
+        r = _layer._differentiable_residual(r, x, None, axes)
+    return [_layer._centre_vjp(x, None, axes, r, r_bar, var_bar, mean_bar)]
 
 
 @tf.RegisterGradient("StableMoments")

@@ -253,6 +253,98 @@ REGISTER_KERNEL_BUILDER(
     Name("StableMeanLo").Device(DEVICE_CPU).TypeConstraint<double>("T"),
     StableMeanLoOp<double>);
 
+// "StableCentre": the layers' batch statistics and centred input in one op (no mask, one
+// real part): StableMoments and StableMeanLo of x over the range [axis_begin, axis_end),
+// and r = (x - mean) - mean_lo (moments.h `residuals`).  Its gradient is registered in
+// Python (tf_stable_moments/_native/__init__.py), the analytic one of the layers: the tape
+// records one op where tf.custom_gradient around the three steps recorded ten.
+REGISTER_OP("StableCentre")
+    .Input("x: T")
+    .Output("residual: T")
+    .Output("variance: T")
+    .Output("mean: T")
+    .Output("mean_lo: T")
+    .Attr("T: {float, double}")
+    .Attr("ddof: int = 0")
+    .Attr("precision: int")
+    .Attr("emin: int")
+    .Attr("emax: int")
+    .Attr("parts: int = 1")
+    .Attr("axis_begin: int = 1")
+    .Attr("axis_end: int = 2")
+    .SetShapeFn([](InferenceContext* c) {
+      int begin, end;
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_begin", &begin));
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
+      ShapeHandle x = c->input(0);
+      c->set_output(0, x);
+      if (!c->RankKnown(x)) {
+        for (int i = 1; i < 4; ++i) c->set_output(i, c->UnknownShape());
+        return Status();
+      }
+      const int rank = c->Rank(x);
+      if (begin < 0 || begin > end || end > rank) {
+        return tensorflow::errors::InvalidArgument("StableCentre: reduced axes [", begin, ", ",
+                                                   end, ") do not fit rank ", rank);
+      }
+      std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+      for (int d = 0; d < rank; ++d) {
+        if (d < begin || d >= end) dims.push_back(c->Dim(x, d));
+      }
+      for (int i = 1; i < 4; ++i) c->set_output(i, c->MakeShape(dims));
+      return Status();
+    });
+
+template <typename T>
+class StableCentreOp : public OpKernel {
+ public:
+  explicit StableCentreOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadCommonAttrs(ctx, "StableCentre", a_));
+    OP_REQUIRES(ctx, a_.parts == 1,
+                tensorflow::errors::InvalidArgument("StableCentre: real data only (parts 1)"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const int rank = x.dims();
+    OP_REQUIRES(ctx, 0 <= a_.begin && a_.begin <= a_.end && a_.end <= rank,
+                tensorflow::errors::InvalidArgument("StableCentre: reduced axes [", a_.begin,
+                                                    ", ", a_.end, ") do not fit rank ", rank));
+    int64_t outer = 1, n = 1, inner = 1;
+    TensorShape kept;
+    for (int d = 0; d < rank; ++d) {
+      const int64_t size = x.dim_size(d);
+      (d < a_.begin ? outer : d < a_.end ? n : inner) *= size;
+      if (d < a_.begin || d >= a_.end) kept.AddDim(size);
+    }
+    OP_REQUIRES(ctx, n < (int64_t(1) << 46),
+                tensorflow::errors::InvalidArgument(
+                    "moments: a slice of ", n, " elements exceeds the kernel's 2**46 limit"));
+    Tensor* out[4];
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out[0]));
+    for (int i = 1; i < 4; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(i, kept, &out[i]));
+    const T* xs = x.flat<T>().data();
+    T* var = out[1]->flat<T>().data();
+    T* mean = out[2]->flat<T>().data();
+    T* lo = out[3]->flat<T>().data();
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    stable_moments::moments<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var,
+                               workers ? workers->num_threads : 1);
+    stable_moments::mean_lo<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, lo);
+    stable_moments::residuals<T>(xs, outer, n, inner, mean, lo, out[0]->flat<T>().data());
+  }
+
+ private:
+  CommonAttrs a_;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("StableCentre").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    StableCentreOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("StableCentre").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+    StableCentreOp<double>);
+
 // "StableStallCheck": the stall test of tf_stable_moments/_advice.py `check` in a graph,
 // as one op instead of a tf.cond around a tf.py_function (whose branches cost a deep model
 // seconds of tracing).  Per channel: stalled when |mean - moving| * (1 - momentum) is
