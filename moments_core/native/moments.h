@@ -403,20 +403,57 @@ struct SumArrays {
   }
 };
 
-// The sums of blocks o in [o0, o1), rows [k0, k1), every column, added into out.
+// Rows per block of the float64 sums (section 4, "depth"): a power of two near sqrt(n),
+// at least 256 (smaller blocks cost more than they gain).  Each block of a slice is summed from zero and then added into the slice's
+// running sum, so that no term passes through more than about 2 sqrt(n) additions, where
+// one running sum over the whole slice took n - 1 (the bound of a sum grows with that
+// depth: float32 N(0, 1) with n = 65536 left a third of its slices to the exact path).
+inline int64_t block_rows(int64_t n) {
+  int64_t b = 256;
+  while (b * b < n) b *= 2;
+  return b;
+}
+
+// The most additions any term of one slice passes through in the float64 sums below, for
+// n rows cut into `chunks` row ranges summed into `partials` partial sums that are added
+// at the end: at most B - 1 inside its block (any tree of B terms), then one per block
+// added into the same running sum (ceil(n / B) blocks, one more per chunk boundary), then
+// partials - 1.
+inline double sum_depth(int64_t n, int64_t chunks, int partials) {
+  const int64_t b = block_rows(n);
+  return static_cast<double>((b - 1) + (n + b - 1) / b + chunks + (partials - 1));
+}
+
+// The sums of blocks o in [o0, o1), rows [k0, k1), every column, added into out; float64
+// sums in blocks of block_rows(n) rows (pairs: one compensated sum, bounded for any tree).
 template <typename T>
 void block_sums(const T* x, int64_t n, int64_t w, int64_t o0, int64_t o1, int64_t k0,
                 int64_t k1, const double* K, bool pairs, double tiny, SumArrays& out) {
+  const int64_t rows = block_rows(n);
+  std::vector<double> part(pairs || w == 1 ? 0 : static_cast<size_t>(2 * w));
   for (int64_t o = o0; o < o1; ++o) {
     const T* base = x + o * n * w;
     const size_t s = static_cast<size_t>(o * w);
     if (pairs) {
       column_pair_sums(base, w, k0, k1, K + s, tiny, &out.h1[s], &out.l1[s], &out.h2[s],
                        &out.l2[s]);
-    } else if (w == 1) {
-      row_sums(base + k0, k1 - k0, K[s], tiny, out.h1[s], out.h2[s]);
-    } else {
-      column_sums(base, w, k0, k1, K + s, tiny, &out.h1[s], &out.h2[s]);
+      continue;
+    }
+    for (int64_t b0 = k0; b0 < k1; b0 += rows) {
+      const int64_t b1 = std::min(k1, b0 + rows);
+      if (w == 1) {
+        double t1 = 0.0, t2 = 0.0;
+        row_sums(base + b0, b1 - b0, K[s], tiny, t1, t2);
+        out.h1[s] += t1;
+        out.h2[s] += t2;
+        continue;
+      }
+      std::fill(part.begin(), part.end(), 0.0);
+      column_sums(base, w, b0, b1, K + s, tiny, part.data(), part.data() + w);
+      for (int64_t i = 0; i < w; ++i) {
+        out.h1[s + i] += part[i];
+        out.h2[s + i] += part[w + i];
+      }
     }
   }
 }
@@ -464,14 +501,16 @@ struct Approx {
   bool bad;
 };
 
-// moments_core/_kernel.py `approximate`, term for term.
-inline Approx approximate(double k, double s1, double s2, double n, Pair rn) {
+// moments_core/_kernel.py `approximate`, term for term, with `depth` where it has n in the
+// gammas: an upper bound of 1 + the additions any term passed through (n there, for any
+// order; `sum_depth` + 1 for the blocked sums here).
+inline Approx approximate(double k, double s1, double s2, double n, double depth, Pair rn) {
   Approx a;
   a.bad = !std::isfinite(s2) || !std::isfinite(s1);
-  double b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * kMargin;
-  double d2 = gamma(n + 2.0) * b_up;
+  double b_up = s2 * (1.0 + 2.0 * gamma(depth + 2.0)) * kMargin;
+  double d2 = gamma(depth + 2.0) * b_up;
   double a_abs = std::sqrt(n * b_up) * kMargin;
-  double d1 = gamma(n + 1.0) * a_abs * kMargin;
+  double d1 = gamma(depth + 1.0) * a_abs * kMargin;
   double t = s1 * rn.h;
   double mean = k + t;
   double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
@@ -581,17 +620,17 @@ double smallest_magnitude(const T* x, int64_t n, int64_t stride, double tiny) {
 // Mean and variance of one slice (K, s1 = sum y, s2 = sum y**2, its smallest magnitude)
 // by the lattice rules; false where they do not decide both.
 inline bool lattice_moments(double k, double s1, double s2, double smallest, double n,
-                            Pair rn, Pair rd, bool defined, const Format& f, double& mean,
-                            double& var) {
+                            double depth, Pair rn, Pair rd, bool defined, const Format& f,
+                            double& mean, double& var) {
   if (!std::isfinite(s1) || !std::isfinite(s2) || !std::isfinite(smallest)) return false;
-  double b_up = s2 * (1.0 + 2.0 * gamma(n + 2.0)) * kMargin;
+  double b_up = s2 * (1.0 + 2.0 * gamma(depth + 2.0)) * kMargin;
   double unit = pow2(std::min(exponent_of(smallest), 1000) - (f.precision - 1));
   double q2 = unit * unit;
   bool exact = b_up <= 0x1p52 * q2 && n * b_up <= 0x1p104 * q2;
   double a_abs = std::sqrt(n * b_up) * kMargin;
   bool exact_mean = a_abs <= 0x1p52 * unit;
-  double d2 = exact ? 0.0 : gamma(n + 2.0) * b_up;
-  double d1 = exact_mean ? 0.0 : gamma(n + 1.0) * a_abs * kMargin;
+  double d2 = exact ? 0.0 : gamma(depth + 2.0) * b_up;
+  double d1 = exact_mean ? 0.0 : gamma(depth + 1.0) * a_abs * kMargin;
   double t = s1 * rn.h;
   double m = k + t;
   double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
@@ -950,6 +989,7 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
   if (total < kThreadMin) T_ = 1;
   SumArrays acc(static_cast<size_t>(slices), pairs);
   const double* Kp = K.data();
+  double depth = sum_depth(n, 1, 1) + 1.0;  // the float64 sums' bound (approximate)
   if (T_ == 1) {
     block_sums(x, n, width, 0, outer, 0, n, Kp, pairs, tiny, acc);
   } else if (outer >= T_) {
@@ -961,6 +1001,7 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
   } else {
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(8 * T_, n / 64));
     const int64_t step = (n + chunks - 1) / chunks;
+    depth = sum_depth(n, (n + step - 1) / step, T_) + 1.0;
     std::vector<SumArrays> part(T_ - 1, SumArrays(static_cast<size_t>(slices), pairs));
     run_chunks(T_ - 1, (n + step - 1) / step, [&](int64_t c, int slot) {
       block_sums(x, n, width, 0, outer, c * step, std::min(n, (c + 1) * step), Kp, pairs, tiny,
@@ -981,7 +1022,8 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
       for (int j = 0; j < parts; ++j) {
         int64_t s = o * width + i * parts + j;
         Sums sm = acc.at(static_cast<size_t>(s));
-        ap[j] = pairs ? approximate_pairs(K[s], sm, nf, rn) : approximate(K[s], sm.h1, sm.h2, nf, rn);
+        ap[j] = pairs ? approximate_pairs(K[s], sm, nf, rn)
+                      : approximate(K[s], sm.h1, sm.h2, nf, depth, rn);
         decided = decided && !ap[j].bad && certify(ap[j].mean, ap[j].mean_err, f, means[j]);
       }
       Pair num = ap[0].num;
@@ -1043,8 +1085,8 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
         const double small = smallest_magnitude(p, n, width > 1 ? m : 1, tiny);
         const Sums sm = acc.at(static_cast<size_t>(open[q]));
         double mean, var;
-        if (lattice_moments(K[open[q]], sm.h1, sm.h2, small, nf, rn, rd, defined, f, mean,
-                            var)) {
+        if (lattice_moments(K[open[q]], sm.h1, sm.h2, small, nf, depth, rn, rd, defined, f,
+                            mean, var)) {
           mean_out[open[q]] = static_cast<T>(mean);
           var_out[open[q]] = static_cast<T>(var);
           --res.undecided;
