@@ -10,7 +10,8 @@ the same model after ``tf_stable_moments.stabilize``; first-step time (tracing a
 compilation included) and median steady step time of ``train_on_batch``, in TF eager
 (run_eagerly=True), tf.function, tf.function(jit_compile=True) and on the JAX backend
 (a subprocess per backend: the backend is fixed when keras is imported).  The two models
-alternate step by step in one process, so load on a shared machine hits both alike.
+alternate step by step in one process, so load on a shared machine hits both alike; the
+quartiles of the per-pair ratio (ours / keras over consecutive steps) show the spread.
 
 ``offset``: an MLP whose input BatchNormalization sees N(1e6, 1) features (momentum 0.99,
 ``--steps`` steps of batch 32): moving-mean error and held-out accuracy for keras's layer
@@ -104,7 +105,10 @@ def _models(name, size, swap):
 
 
 def speed_backend(name, size, batch, steps, modes):
-    """{mode: {"keras": (first, steady), "ours": (first, steady)}} in this process's backend."""
+    """{mode: {"keras": (first, steady), "ours": (first, steady), "paired": (q1, median,
+    q3)}} in this process's backend: steady is the median step time, paired the quartiles
+    of ours / keras over the pairs of consecutive steps (the models alternate, so a pair
+    shares the machine's load of the moment)."""
     import keras
     import numpy as np
 
@@ -129,6 +133,8 @@ def speed_backend(name, size, batch, steps, modes):
                 model.train_on_batch(x, y)
                 times[key].append(time.perf_counter() - start)
         out[mode] = {k: (t[0], float(np.median(t[1:]))) for k, t in times.items()}
+        paired = np.array(times["ours"][1:]) / np.array(times["keras"][1:])
+        out[mode]["paired"] = tuple(float(q) for q in np.percentile(paired, [25, 50, 75]))
     return out
 
 
@@ -155,12 +161,16 @@ def speed(args):
         f"{args.model} {args.size}x{args.size}, batch {args.batch}, {args.steps} steady steps "
         "(train_on_batch; seconds; ours / keras BN)"
     )
-    print("| backend, mode | first step: keras | ours | ratio | steady: keras | ours | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| backend, mode | first step: keras | ours | ratio | steady: keras | ours | ratio "
+        "| per-pair ratio: median (quartiles) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for key, value in results.items():
         (kf, ks), (of, os_) = value["keras"], value["ours"]
+        q1, q2, q3 = value["paired"]
         cells = f"{kf:.2f} | {of:.2f} | {of / kf:.2f} | {ks:.3f} | {os_:.3f} | {os_ / ks:.2f}"
-        print(f"| {key} | {cells} |")
+        print(f"| {key} | {cells} | {q2:.2f} ({q1:.2f}-{q3:.2f}) |")
     return results
 
 
