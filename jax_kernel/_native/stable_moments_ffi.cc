@@ -11,13 +11,11 @@
 // outer (the call returns s64 []; vmap turns it into [batch], one count per batch element).
 // Attributes: ddof, precision, emin, emax (the target format: float16 and bfloat16 data
 // come as float32, and their results are values of their own format, exactly castable back).
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 
 #include "moments.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,10 +24,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-int Threads() {
-  unsigned hw = std::thread::hardware_concurrency();
-  return static_cast<int>(std::min<unsigned>(std::max<unsigned>(hw, 1u), 8u));
-}
 
 // groups calls of the kernel, each on outer / groups consecutive blocks of x.
 template <typename T>
@@ -43,7 +37,7 @@ void Run(const ffi::AnyBuffer& x, int64_t outer, int64_t n, int64_t inner, int p
   for (int64_t g = 0; g < groups; ++g) {
     stable_moments::Result r = stable_moments::moments<T>(
         xs + g * per * n * inner * parts, per, n, inner, parts, ddof, f,
-        ms + g * per * inner * parts, vs + g * per * inner, Threads());
+        ms + g * per * inner * parts, vs + g * per * inner, stable_moments::machine_threads());
     undecided[g] = r.undecided;
   }
 }

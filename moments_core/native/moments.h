@@ -461,6 +461,13 @@ void block_sums(const T* x, int64_t n, int64_t w, int64_t o0, int64_t o1, int64_
 // Inputs below which one thread does all the work (starting threads costs more).
 constexpr int64_t kThreadMin = int64_t(1) << 20;
 
+// The threads a call may use where its framework does not say (the JAX FFI call, the
+// TensorFlow XLA custom call): the machine's, at most 8.
+inline int machine_threads() {
+  unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::min<unsigned>(std::max<unsigned>(hw, 1u), 8u));
+}
+
 // work(c, slot) for every chunk c < chunks, by the calling thread (slot 0) and up to
 // `helpers` detached threads (slots 1...), each claiming the next chunk while any is left.
 // Returns when every chunk is done.  A helper touches the caller's data only inside a chunk

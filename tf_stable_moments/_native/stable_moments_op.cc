@@ -17,7 +17,6 @@
 // emitted by TensorFlow's own XlaCustomCallV2 op (tf_stable_moments/_native/__init__.py).
 #include <Python.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -25,7 +24,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "moments.h"
@@ -439,11 +437,6 @@ REGISTER_KERNEL_BUILDER(Name("StableStallCheck").Device(DEVICE_CPU), StableStall
 // op's backend_config, fixed when the graph is traced) holds the attributes; x's shape,
 // which may be known only when XLA compiles, comes as an int64 operand.
 
-int Threads() {
-  unsigned hw = std::thread::hardware_concurrency();
-  return static_cast<int>(std::min<unsigned>(std::max<unsigned>(hw, 1u), 8u));
-}
-
 // "tf_stable_moments_moments": StableMoments, and with lo = 1 StableMeanLo, in one call.
 //   in:  x (as the ops' input), int64 [rank] x's shape
 //   out: (mean, variance, undecided int64 []), with lo (mean, variance, mean_lo, undecided)
@@ -459,7 +452,8 @@ void XlaMoments(void** out, const void** in, const CommonAttrs& a, int rank, boo
   T* mean = static_cast<T*>(out[0]);
   T* var = static_cast<T*>(out[1]);
   stable_moments::Result r = stable_moments::moments<T>(x, outer, n, inner, a.parts, a.ddof,
-                                                        a.format, mean, var, Threads());
+                                                        a.format, mean, var,
+                                                        stable_moments::machine_threads());
   if (lo) {
     stable_moments::mean_lo<T>(x, outer, n, inner, a.parts, a.ddof, a.format, mean, var,
                                static_cast<T*>(out[2]));
