@@ -506,18 +506,26 @@ struct Approx {
   Pair num;
   double num_err;
   bool bad;
+  bool exact = false, exact_mean = false;  // sums exact on the inputs' lattice (section 5)
 };
 
 // moments_core/_kernel.py `approximate`, term for term, with `depth` where it has n in the
 // gammas: an upper bound of 1 + the additions any term passed through (n there, for any
-// order; `sum_depth` + 1 for the blocked sums here).
-inline Approx approximate(double k, double s1, double s2, double n, double depth, Pair rn) {
+// order; `sum_depth` + 1 for the blocked sums here).  With the lattice unit q of the
+// slice's smallest magnitude (`unit` > 0, section 5) it also finds where the sums are
+// exact and drops their error terms there, as `approximate` does; unit 0: no lattice.
+inline Approx approximate(double k, double s1, double s2, double n, double depth, Pair rn,
+                          double unit = 0.0) {
   Approx a;
   a.bad = !std::isfinite(s2) || !std::isfinite(s1);
   double b_up = s2 * (1.0 + 2.0 * gamma(depth + 2.0)) * kMargin;
-  double d2 = gamma(depth + 2.0) * b_up;
   double a_abs = std::sqrt(n * b_up) * kMargin;
-  double d1 = gamma(depth + 1.0) * a_abs * kMargin;
+  if (unit > 0.0 && !a.bad) {
+    a.exact = b_up <= 0x1p52 * unit * unit && n * b_up <= 0x1p104 * unit * unit;
+    a.exact_mean = a_abs <= 0x1p52 * unit;
+  }
+  double d2 = a.exact ? 0.0 : gamma(depth + 2.0) * b_up;
+  double d1 = a.exact_mean ? 0.0 : gamma(depth + 1.0) * a_abs * kMargin;
   double t = s1 * rn.h;
   double mean = k + t;
   double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
@@ -571,6 +579,18 @@ inline void combine_nums(const Approx& a, const Approx& b, bool pairs, Pair& num
   err = (a.num_err + b.num_err) * kMargin + 8.0 * kU * kU * size;
   if (!pairs) err = err + kU * std::fabs(num.h);  // variance_of keeps the high part only
   err = err * kMargin;
+}
+
+// moments_core/_kernel.py `variance_of`: (v, err) = num / (n - ddof) and its bound.
+inline void variance_of(Pair num, double num_err, Pair rd, bool pairs, Pair& v, double& err) {
+  if (pairs) {
+    v = df_mul(num, rd);
+    err = (num_err * rd.h * kMargin + 16.0 * kU * kU * std::fabs(v.h)) * kMargin;
+    err = num_err == 0.0 ? 0.0 : err + kTiny;
+  } else {
+    v = {num.h * rd.h, 0.0};
+    err = (num_err * rd.h * kMargin + 3.0 * kU * std::fabs(v.h)) * kMargin;
+  }
 }
 
 // ------------------------------------------------------------------ ties on the lattice (section 5)
@@ -629,27 +649,19 @@ double smallest_magnitude(const T* x, int64_t n, int64_t stride, double tiny) {
 inline bool lattice_moments(double k, double s1, double s2, double smallest, double n,
                             double depth, Pair rn, Pair rd, bool defined, const Format& f,
                             double& mean, double& var) {
-  if (!std::isfinite(s1) || !std::isfinite(s2) || !std::isfinite(smallest)) return false;
-  double b_up = s2 * (1.0 + 2.0 * gamma(depth + 2.0)) * kMargin;
+  if (!std::isfinite(smallest)) return false;
   double unit = pow2(std::min(exponent_of(smallest), 1000) - (f.precision - 1));
-  double q2 = unit * unit;
-  bool exact = b_up <= 0x1p52 * q2 && n * b_up <= 0x1p104 * q2;
-  double a_abs = std::sqrt(n * b_up) * kMargin;
-  bool exact_mean = a_abs <= 0x1p52 * unit;
-  double d2 = exact ? 0.0 : gamma(depth + 2.0) * b_up;
-  double d1 = exact_mean ? 0.0 : gamma(depth + 1.0) * a_abs * kMargin;
-  double t = s1 * rn.h;
-  double m = k + t;
-  double mean_err = ((d1 + 3.0 * kU * std::fabs(s1)) * rn.h * kMargin + kU * std::fabs(t)) * kMargin;
-  mean_err = (mean_err + kU * std::fabs(m)) * kMargin;
-  if (!certify_tie({m, 0.0}, mean_err, f, exact_mean, unit, rn.h, mean)) return false;
+  Approx a = approximate(k, s1, s2, n, depth, rn, unit);
+  if (a.bad || !certify_tie(a.mean, a.mean_err, f, a.exact_mean, unit, rn.h, mean)) {
+    return false;
+  }
   if (!defined) {
     var = std::numeric_limits<double>::quiet_NaN();
     return true;
   }
   Pair v;
   double err;
-  if (exact) {  // variance_from_exact_sums
+  if (a.exact) {  // variance_from_exact_sums
     const double u2 = kU * kU;
     Pair corr = df_mul(df_mul({s1, 0.0}, rn), {s1, 0.0});
     Pair num = df_add({s2, 0.0}, {-corr.h, -corr.l});
@@ -658,15 +670,10 @@ inline bool lattice_moments(double k, double s1, double s2, double smallest, dou
     err = (num_err * rd.h + u2 * std::fabs(num.h) * rd.h + 17.0 * u2 * std::fabs(w.h)) * kMargin;
     v = {w.h + w.l, 0.0};
     err = (err + kU * std::fabs(v.h)) * kMargin;
-  } else {  // approximate's numerator with d1, d2 as above, then variance_of
-    double corr = (s1 * s1) * rn.h;
-    double d_corr = d1 * (2.0 * std::fabs(s1) + d1) * rn.h * kMargin + 4.0 * kU * std::fabs(corr);
-    double num = s2 - corr;
-    double num_err = (d2 + d_corr + kU * std::fabs(num)) * kMargin;
-    v = {num * rd.h, 0.0};
-    err = (num_err * rd.h * kMargin + 3.0 * kU * std::fabs(v.h)) * kMargin;
+  } else {
+    variance_of(a.num, a.num_err, rd, false, v, err);
   }
-  return certify_tie(v, err, f, exact, q2, rn.h * rd.h, var);
+  return certify_tie(v, err, f, a.exact, unit * unit, rn.h * rd.h, var);
 }
 
 // ------------------------------------------------------------------ exact path (section 7)
@@ -1040,14 +1047,7 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
       if (defined && decided) {  // variance_of, then the test
         Pair v;
         double err;
-        if (pairs) {
-          v = df_mul(num, rd);
-          err = (num_err * rd.h * kMargin + 16.0 * kU * kU * std::fabs(v.h)) * kMargin;
-          err = num_err == 0.0 ? 0.0 : err + kTiny;
-        } else {
-          v = {num.h * rd.h, 0.0};
-          err = (num_err * rd.h * kMargin + 3.0 * kU * std::fabs(v.h)) * kMargin;
-        }
+        variance_of(num, num_err, rd, pairs, v, err);
         decided = certify(v, err, f, var);
       }
       if (!decided) open.push_back(o * inner + i);
