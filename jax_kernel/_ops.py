@@ -149,6 +149,21 @@ def sums_min(a, b, c, axis):
     return lax.reduce((a, b, c), (zero, zero, np.array(np.inf, c.dtype)), _sums_min, (axis,))
 
 
+def _pairs_min(a, b):
+    (h0, l0, g0, m0, c0), (h1, l1, g1, m1, c1) = a, b
+    return (*_pair((h0, l0), (h1, l1)), *_pair((g0, m0), (g1, m1)), jnp.minimum(c0, c1))
+
+
+def pair_sums_min(a, b, c, axis):
+    """(sum a as a pair, sum b as a pair, min c): compensated sums in any tree, one
+    variadic reduction (a different computation from `sums_min`'s: XLA cannot merge
+    the two stages of `_kernel.block_sums`)."""
+    zero = np.zeros((), a.dtype)
+    inits = (zero, zero, zero, zero, np.array(np.inf, c.dtype))
+    z = jnp.zeros_like(a)
+    return lax.reduce((a, z, b, z, c), inits, _pairs_min, (axis,))
+
+
 def scatter(v, idx, new):
     return v.at[idx].set(new)
 

@@ -24,6 +24,7 @@ MARGIN = 1.0 + 2.0**-20  # covers the roundings of evaluating the bounds themsel
 TINY = 2.0**-1000  # per element: what flushing a float64 intermediate can lose (pairs only)
 BATCH = 8  # slices per iteration of the exact path (fewer for long slices: `_batch`)
 BATCH_ELEMENTS = 2**16  # elements per iteration of the exact path, at most BATCH slices
+BLOCK = 256  # terms per block of the fast path's float64 sums (`block_sums`)
 SUMS_BATCH = 64  # slices per iteration when only the sums need exact rounding
 SPLIT_MASK = ~((1 << 27) - 1)
 SPLIT_HALF = 1 << 26
@@ -140,6 +141,51 @@ def counts(ops, n, ddof):
 
 
 # ---------------------------------------------------------------- fast path (section 4)
+def block_sums(ops, a, b, c, axis, terms):
+    """(sum a, sum b, min c, g) along `axis` of 2-D arrays, summed to a known depth.
+
+    The terms of each slice are cut into blocks of BLOCK consecutive terms (the last
+    one shorter); each block is summed by one reduction of unknown order (`ops.sums_min`),
+    the block sums by a compensated sum of pairs in any tree (`ops.pair_sums_min`), and
+    the pair rounded once to float64.  XLA may reduce a block in any order and fuse or
+    split reductions, but it cannot merge the two stages: their reductions apply
+    different computations.  Section 4, "Depth": with L the longest block and m the
+    number of blocks, every sum s of terms t_i (each t_i the rounded value of an exact
+    term T_i through at most j roundings) satisfies
+
+        |s - sum T_i| <= (gamma_(L + j) + 2 e_m) sum |T_i|,   e_m = gamma_(2m) u m
+
+    (a block: gamma_(L-1); the compensated sum: e_m of the sum of the |block sums|,
+    Section 6; the final rounding: u).  g(j) returns that factor.  Without blocks (a
+    slice of at most BLOCK terms, or a length unknown while tracing) g(j) is the
+    any-order gamma_(n + j - 1) of one reduction.  terms: n, the number of terms that
+    may be nonzero (float64; the others are exact zeros, which no addition rounds), so
+    that L is at most n too.
+    """
+    n = ops.shape(a, axis)
+    if not isinstance(n, int) or n <= BLOCK:
+        return (*ops.sums_min(a, b, c, axis), lambda j: gamma(terms + j))
+    m = n - n % BLOCK
+    full = m // BLOCK
+    arrays = (a, b, c)
+    if axis == 0:
+        blocks = ops.sums_min(*(ops.reshape(t[:m], [full, BLOCK, -1]) for t in arrays), 1)
+        rest = [t[m:] for t in arrays]
+    else:
+        blocks = ops.sums_min(*(ops.reshape(t[:, :m], [-1, full, BLOCK]) for t in arrays), 2)
+        rest = [t[:, m:] for t in arrays]
+    if m < n:
+        tail = ops.sums_min(*rest, axis)
+        blocks = [ops.concat([s, ops.expand_dims(r, axis)], axis) for s, r in zip(blocks, tail)]
+    h1, l1, h2, l2, smallest = ops.pair_sums_min(*blocks, axis)
+    count = float(full + (m < n))
+    e = 2.0 * gamma(2.0 * count) * U * count
+    longest = (
+        ops.minimum(terms, float(BLOCK)) if not isinstance(terms, float) else min(terms, BLOCK)
+    )
+    return h1 + l1, h2 + l2, smallest, lambda j: gamma(longest + j + 1.0) + e
+
+
 class Approx(NamedTuple):
     """Per slice: approximations as float64 pairs (h, l) and rigorous bounds of their error."""
 
@@ -169,14 +215,14 @@ def approximate(ops, x, magnitude, first, axis, c, fmt, w=None):
     y = x - first
     n = c.nf
     if w is None:
-        s1, s2, smallest = ops.sums_min(y, y * y, magnitude, axis)
-        g2, g1 = gamma(n + 2.0), gamma(n + 1.0)
+        s1, s2, smallest, depth = block_sums(ops, y, y * y, magnitude, axis, n)
+        g2, g1 = depth(2), depth(1)
     else:
         t = w * y
-        s1, s2, smallest = ops.sums_min(t, t * y, magnitude, axis)
-        m = float(ops.shape(x, axis)) if isinstance(ops.shape(x, axis), int) else None
-        m = ops.cast(ops.shape(x, axis), "float64") if m is None else m
-        g2, g1 = gamma(m + 4.0), gamma(m + 1.0)
+        m = ops.shape(x, axis)
+        m = float(m) if isinstance(m, int) else ops.cast(m, "float64")
+        s1, s2, smallest, depth = block_sums(ops, t, t * y, magnitude, axis, m)
+        g2, g1 = depth(4), depth(1)
     k = ops.squeeze(first, axis)
     bad = ~ops.isfinite(s2) | ~ops.isfinite(s1)
     # S2 = sum y**2 of the exact differences y = x - K: each y and y**2 rounds once,

@@ -333,9 +333,19 @@ def test_the_native_kernel_bounds_its_blocked_sums_by_their_depth():
     depth of its own sums (about 2 sqrt(n) additions, docs section 10): none, in both
     layouts, with the oracle's bits."""
     x = np.random.default_rng(8).normal(0.0, 1.0, (65536, 16)).astype(np.float32)
-    _, _, todo, _ = _fast_path(x, 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_kernel, "BLOCK", 2**20)  # one reduction: the any-order gamma_n
+        jax.clear_caches()  # _fast is jitted: trace it anew with and without the patch
+        _, _, todo, _ = _fast_path(x, 0)
+    jax.clear_caches()
     assert todo.sum() >= 3, int(todo.sum())
     want = datasets.oracle(x, (0,))
+    # The XLA kernel's blocks of 256 terms and compensated block sums (docs section 4,
+    # "Depth"): none left open either, in both layouts, with the oracle's bits.
+    for data, axis in ((x, 0), (np.ascontiguousarray(x.T), 1)):
+        mean, var, todo, _ = _fast_path(data, axis)
+        assert todo.sum() == 0, int(todo.sum())
+        assert_oracle((mean, var), want)
     rows = np.ascontiguousarray(x.T)
     for data, axis in ((x, 0), (rows, 1)):
         assert tf_moments.undecided_fraction(data, [axis]) == 0.0

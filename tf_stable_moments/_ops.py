@@ -177,6 +177,8 @@ def _variadic(arrays, inits, axis, fn):
     def reduce(xs, axes):
         return list(_xla.variadic_reduce(xs, inits, axes, reducer))
 
+    if arrays[0].shape.rank == 3:  # the blocks of `_kernel.block_sums`
+        return reduce(arrays, [axis])
     if axis == 1:
         rows, width = arrays[0].shape
         if rows is None or width is None or width < 32 * COLUMN_BLOCK or width % COLUMN_BLOCK:
@@ -221,6 +223,19 @@ def _sums_min_xla(a, b, c, axis):
     return tuple(_variadic([a, b, c], [zero, zero, inf], axis, _sum_sum_min))
 
 
+def _pair_sums_min_xla(a, b, c, axis):
+    """(sum a as a pair, sum b as a pair, min c): compensated sums in any tree, one
+    variadic reduction (a different computation from `_sums_min_xla`'s: XLA cannot
+    merge the two stages of `_kernel.block_sums`); see `_variadic`."""
+    zero, inf = tf.zeros([], a.dtype), tf.constant(float("inf"), c.dtype)
+    z = tf.zeros_like(a)
+    return tuple(_variadic([a, z, b, z, c], [zero, zero, zero, zero, inf], axis, _pairs_min))
+
+
+def _pairs_min(h0, l0, g0, m0, c0, h1, l1, g1, m1, c1):
+    return (*_pair(h0, l0, h1, l1), *_pair(g0, m0, g1, m1), tf.minimum(c0, c1))
+
+
 def _sum_sum_min(a0, b0, c0, a1, b1, c1):
     return a0 + a1, b0 + b1, tf.minimum(c0, c1)
 
@@ -251,6 +266,11 @@ def _materialize_xla(v):
 
 def _sums_min_plain(a, b, c, axis):
     return tf.reduce_sum(a, axis), tf.reduce_sum(b, axis), tf.reduce_min(c, axis)
+
+
+def _pair_sums_min_plain(a, b, c, axis):
+    z = tf.zeros_like(a)
+    return (*_pair_sum_tree(a, z, axis), *_pair_sum_tree(b, z, axis), tf.reduce_min(c, axis))
 
 
 def scatter(v, idx, new):
@@ -321,6 +341,7 @@ _COMMON = dict(
 XLA = SimpleNamespace(
     pair_sum=_pair_sum_xla,
     sums_min=_sums_min_xla,
+    pair_sums_min=_pair_sums_min_xla,
     exact_sum=_exact_sum_xla,
     materialize=_materialize_xla,
     **_COMMON,
@@ -328,6 +349,7 @@ XLA = SimpleNamespace(
 PLAIN = SimpleNamespace(
     pair_sum=_pair_sum_tree,
     sums_min=_sums_min_plain,
+    pair_sums_min=_pair_sums_min_plain,
     exact_sum=tf.reduce_sum,
     materialize=tf.identity,
     **_COMMON,
