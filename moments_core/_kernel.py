@@ -25,6 +25,7 @@ TINY = 2.0**-1000  # per element: what flushing a float64 intermediate can lose 
 BATCH = 8  # slices per iteration of the exact path (fewer for long slices: `_batch`)
 BATCH_ELEMENTS = 2**16  # elements per iteration of the exact path, at most BATCH slices
 BLOCK = 256  # terms per block of the fast path's float64 sums (`block_sums`)
+SUB = 16  # a block is reduced as SUB x SUB terms (BLOCK = SUB**2): see `_block_stage`
 SUMS_BATCH = 64  # slices per iteration when only the sums need exact rounding
 SPLIT_MASK = ~((1 << 27) - 1)
 SPLIT_HALF = 1 << 26
@@ -156,34 +157,52 @@ def block_sums(ops, a, b, c, axis, terms):
         |s - sum T_i| <= (gamma_(L + j) + 2 e_m) sum |T_i|,   e_m = gamma_(2m) u m
 
     (a block: gamma_(L-1); the compensated sum: e_m of the sum of the |block sums|,
-    Section 6; the final rounding: u).  g(j) returns that factor.  Without blocks (a
-    slice of at most BLOCK terms, or a length unknown while tracing) g(j) is the
-    any-order gamma_(n + j - 1) of one reduction.  terms: n, the number of terms that
+    section 6; the final rounding: u).  g(j) returns that factor.  A slice of at most
+    BLOCK terms is one reduction: g(j) is the any-order gamma_(n + j - 1).  A length
+    unknown while tracing (TF) pads every slice to whole blocks with exact zeros (a, b)
+    and inf (c), which change no sum and no minimum.  terms: n, the number of terms that
     may be nonzero (float64; the others are exact zeros, which no addition rounds), so
     that L is at most n too.
     """
     n = ops.shape(a, axis)
-    if not isinstance(n, int) or n <= BLOCK:
+    if isinstance(n, int) and n <= BLOCK:
         return (*ops.sums_min(a, b, c, axis), lambda j: gamma(terms + j))
-    m = n - n % BLOCK
-    full = m // BLOCK
     arrays = (a, b, c)
-    if axis == 0:
-        blocks = ops.sums_min(*(ops.reshape(t[:m], [full, BLOCK, -1]) for t in arrays), 1)
-        rest = [t[m:] for t in arrays]
+    if isinstance(n, int):
+        m = n - n % BLOCK
+        full = m // BLOCK
+        cut = [t[:m] if axis == 0 else t[:, :m] for t in arrays]
+        blocks = _block_stage(ops, cut, axis, full)
+        if m < n:
+            tail = ops.sums_min(*(t[m:] if axis == 0 else t[:, m:] for t in arrays), axis)
+            blocks = [ops.concat([s, ops.expand_dims(r, axis)], axis) for s, r in zip(blocks, tail)]
+        count = float(full + (m < n))
     else:
-        blocks = ops.sums_min(*(ops.reshape(t[:, :m], [-1, full, BLOCK]) for t in arrays), 2)
-        rest = [t[:, m:] for t in arrays]
-    if m < n:
-        tail = ops.sums_min(*rest, axis)
-        blocks = [ops.concat([s, ops.expand_dims(r, axis)], axis) for s, r in zip(blocks, tail)]
+        full = (n + (BLOCK - 1)) // BLOCK
+        padded = [
+            ops.pad(t, axis, full * BLOCK - n, v) for t, v in zip(arrays, (0.0, 0.0, float("inf")))
+        ]
+        blocks = _block_stage(ops, padded, axis, full)
+        count = ops.cast(full, "float64")
     h1, l1, h2, l2, smallest = ops.pair_sums_min(*blocks, axis)
-    count = float(full + (m < n))
     e = 2.0 * gamma(2.0 * count) * U * count
-    longest = (
-        ops.minimum(terms, float(BLOCK)) if not isinstance(terms, float) else min(terms, BLOCK)
-    )
+    longest = min(terms, BLOCK) if isinstance(terms, float) else ops.minimum(terms, float(BLOCK))
     return h1 + l1, h2 + l2, smallest, lambda j: gamma(longest + j + 1.0) + e
+
+
+def _block_stage(ops, arrays, axis, full):
+    """Per block of BLOCK consecutive terms of 2-D arrays of `full` blocks along axis:
+    (sum, sum, min) as [full, kept] (axis 0) or [kept, full] (axis 1).
+
+    A block is reduced as SUB x SUB terms (axis 1: the terms SUB apart first), which
+    XLA's CPU emitter keeps vectorised (float64 [65536, 64] along axis 0 under JAX: 2.1 ms against
+    8.0 ms for one reduction of each block, 18 ms unblocked; along axis 1, 2.2 ms against
+    7.0 ms).  It is still a sum of the block's terms in some order, all the bound counts.
+    """
+    kept = ops.shape(arrays[0], 1 - axis)
+    shape = [full, SUB, SUB, kept] if axis == 0 else [kept, full, SUB, SUB]
+    inner = ops.sums_min(*(ops.reshape(t, shape) for t in arrays), 2)
+    return ops.sums_min(*inner, axis + 1)
 
 
 class Approx(NamedTuple):

@@ -120,7 +120,18 @@ def stack(xs, axis):
 
 
 def reshape(x, shape):
+    if builtins.any(tf.is_tensor(d) for d in shape):
+        shape = tf.stack([tf.cast(d, tf.int64) for d in shape])
     return tf.reshape(x, shape)
+
+
+def pad(x, axis, extra, value):
+    """x with `extra` (an int or an int64 scalar) copies of `value` appended along axis."""
+    paddings = [[0, 0]] * len(x.shape)
+    paddings[axis] = [0, extra]
+    if tf.is_tensor(extra):
+        paddings = tf.stack([tf.cast(tf.stack(p), tf.int64) for p in paddings])
+    return tf.pad(x, paddings, constant_values=value)
 
 
 def take(x, idx, axis):
@@ -177,7 +188,7 @@ def _variadic(arrays, inits, axis, fn):
     def reduce(xs, axes):
         return list(_xla.variadic_reduce(xs, inits, axes, reducer))
 
-    if arrays[0].shape.rank == 3:  # the blocks of `_kernel.block_sums`
+    if arrays[0].shape.rank > 2:  # the blocks of `_kernel.block_sums`
         return reduce(arrays, [axis])
     if axis == 1:
         rows, width = arrays[0].shape
@@ -328,6 +339,7 @@ _COMMON = dict(
             concat,
             stack,
             reshape,
+            pad,
             take,
             constant,
             segment_sum,
