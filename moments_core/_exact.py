@@ -197,21 +197,37 @@ def resize(ops, d, length):
     return ops.concat([d, ops.zeros([ops.shape(d, 0), length - have], "int64")], 1)
 
 
-def divide(ops, d, a):
-    """(q, r): the digits of floor(value / a) and the remainder, for value >= 0, 1 <= a < 2**46."""
+def divide(ops, d, divisors):
+    """(q, inexact): the digits of floor(value / prod(divisors)) and whether a remainder
+    is left, for normalised digits of a value >= 0 and divisors 1 <= a < 2**46 (int64
+    [rows] each).
+
+    Long division from the top digit, by every divisor in one loop: the quotient
+    digits by the first divisor (each below 2**16: the remainder r < a, r 2**16 + digit
+    < a 2**16 < 2**62) are the digits the next one divides, as they come, since
+    floor(floor(v / a) / b) = floor(v / (a b)) with a zero remainder only if both are.
+    """
     length = ops.shape(d, 1)
     index = ops.expand_dims(ops.iota(length, "int64"), 0)
-    a = ops.expand_dims(a, 1)
+    divisors = [ops.expand_dims(a, 1) for a in divisors]
 
-    def step(k, r, q):
+    def step(k, q, *rs):
         digit = ops.sum(ops.where(ops.eq(index, k), d, 0), 1, keepdims=True)
-        cur = ops.shl(r, 16) + digit  # < a * 2**16 < 2**62
-        qk = ops.floordiv(cur, a)
-        return k - 1, cur - qk * a, q + ops.where(ops.eq(index, k), qk, 0)
+        new = []
+        for a, r in zip(divisors, rs):
+            cur = ops.shl(r, 16) + digit
+            digit = ops.floordiv(cur, a)
+            new.append(cur - digit * a)
+        return (k - 1, q + ops.where(ops.eq(index, k), digit, 0), *new)
 
-    start = (ops.constant(length - 1, "int64"), ops.zeros_like(a), ops.zeros_like(d))
-    _, r, q = ops.while_loop(lambda k, r, q: k >= 0, step, start)
-    return q, ops.squeeze(r, 1)
+    start = (ops.constant(length - 1, "int64"), ops.zeros_like(d))
+    start += tuple(ops.zeros_like(a) for a in divisors)
+    _, q, *rs = ops.while_loop(lambda k, *_: k >= 0, step, start)
+    inexact = None
+    for r in rs:
+        r = ops.ne(ops.squeeze(r, 1), 0)
+        inexact = r if inexact is None else inexact | r
+    return q, inexact
 
 
 def bit_length(ops, v):
@@ -232,10 +248,7 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     z = -(-(p + 2 + len(divisors) * MAX_N_BITS) // RADIX_BITS)
     # num * 2**(16 z): the quotient has at least p + 2 bits whenever num > 0.
     q = ops.concat([ops.zeros([ops.shape(num, 0), z], "int64"), num], 1)
-    sticky = None
-    for a in divisors:
-        q, r = divide(ops, q, a)
-        sticky = ops.ne(r, 0) if sticky is None else (sticky | ops.ne(r, 0))
+    q, sticky = divide(ops, q, divisors)
     length = ops.shape(q, 1)
     index = ops.iota(length, "int64")
     nonzero = ops.ne(q, 0)
