@@ -3,11 +3,17 @@
 import functools
 
 import datasets
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import rounding_fixtures
+import tensorflow as tf
 from modes import CHEAP_MODES, SLICE_MODES, XLA_MODES, assert_oracle, bits, run, stacked_oracle
 
+from jax_kernel import _ops as jax_ops
+from moments_core import _exact
+from tf_stable_moments import _ops as tf_ops
 from tf_stable_moments._oracle import exact_moments, exact_value
 
 DATA = datasets.all_datasets()
@@ -110,3 +116,32 @@ def test_variance_ulp_error_is_at_most_half_on_design_note_data():
         for row, v in zip(datasets.slices(x, axes), var.ravel()):
             worst = max(worst, ulp_error(v, exact_value(row, np.float32)[1], np.float32))
     assert worst <= 0.5
+
+
+def _digit_value(row):
+    return sum(int(v) << (16 * i) for i, v in enumerate(row))
+
+
+@pytest.mark.parametrize("backend", ["jax", "tf"])
+def test_the_exact_paths_integer_steps_match_python_integers(backend):
+    """normalise carries without changing the value; divide by two divisors in one loop
+    gives floor(v / (a b)) and whether a remainder is left (moments_core/_exact.py)."""
+    rng = np.random.default_rng(3)
+    raw = rng.integers(-(2**62), 2**62, (12, 9))
+    raw[:4, :-1] = 0xFFFF  # carries that ripple through every digit
+    raw[:4, 0] = [1, 0x10000, -1, 0]
+    num = rng.integers(0, 2**16, (12, 9))
+    num[:, -1] = rng.integers(0, 3, 12)
+    a, b = rng.integers(1, 2**46, 12), rng.integers(1, 2**46, 12)
+    a[:3], b[:3] = 1, [1, 2, 3]
+    ops, wrap = (jax_ops, jnp.asarray) if backend == "jax" else (tf_ops.PLAIN, tf.constant)
+    with jax.enable_x64(backend == "jax"):
+        norm = np.asarray(_exact.normalise(ops, wrap(raw)))
+        q, inexact = _exact.divide(ops, wrap(num), [wrap(a), wrap(b)])
+        q, inexact = np.asarray(q), np.asarray(inexact)
+    for i in range(12):
+        assert _digit_value(norm[i]) == _digit_value(raw[i])
+        assert ((norm[i, :-1] >= 0) & (norm[i, :-1] < 2**16)).all()
+        v, d = _digit_value(num[i]), int(a[i]) * int(b[i])
+        assert _digit_value(q[i]) == v // d
+        assert bool(inexact[i]) == (v % d != 0)
