@@ -13,8 +13,10 @@ import threading
 import warnings
 
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from moments_core.native import build, enabled
+from tf_stable_moments import _centre_grad
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
@@ -164,12 +166,8 @@ tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no t
 
 @tf.RegisterGradient("StableCentre")
 def _stable_centre_grad(op, r_bar, var_bar, mean_bar, _):
-    """The layers' analytic gradient (tf_stable_moments/_layer.py `_centre_vjp`, no mask),
-    r made differentiable as x - mean(x) where a tape may differentiate it again."""
-    from tensorflow.python.eager import record
-
-    from tf_stable_moments import _layer
-
+    """The layers' analytic gradient (tf_stable_moments/_centre_grad.py `_centre_vjp`, no
+    mask), r made differentiable as x - mean(x) where a tape may differentiate it again."""
     x, r = op.inputs[0], op.outputs[0]
     axes = tuple(range(op.get_attr("axis_begin"), op.get_attr("axis_end")))
     # Graph gradients pass None for an output nothing depends on.
@@ -177,8 +175,8 @@ def _stable_centre_grad(op, r_bar, var_bar, mean_bar, _):
     var_bar = tf.zeros_like(op.outputs[1]) if var_bar is None else var_bar
     mean_bar = tf.zeros_like(op.outputs[2]) if mean_bar is None else mean_bar
     if record.could_possibly_record():
-        r = _layer._differentiable_residual(r, x, None, axes)
-    return [_layer._centre_vjp(x, None, axes, r, r_bar, var_bar, mean_bar)]
+        r = _centre_grad._differentiable_residual(r, x, None, axes)
+    return [_centre_grad._centre_vjp(x, None, axes, r, r_bar, var_bar, mean_bar)]
 
 
 @tf.RegisterGradient("StableMoments")
