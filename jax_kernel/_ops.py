@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moments_core._kernel import SUB
+
 _DTYPES = {
     "float64": jnp.float64,
     "float32": jnp.float32,
@@ -149,17 +151,14 @@ def _sums_min(a, b):
     return a[0] + b[0], a[1] + b[1], jnp.minimum(a[2], b[2])
 
 
-# XLA's CPU emitter keeps a reduction vectorised when the terms SUB apart are summed
-# first (the kernel's blocks, `_kernel._block_stage`); a 2-D slice of a multiple of
-# SUB terms (at least 2 SUB) is reduced likewise.  Any order: the same certified bits.
-SUB = 16
-
-
 def sums_min(a, b, c, axis):
     """(sum a, sum b, min c) in one pass: one variadic reduction (XLA would otherwise
     materialise a producer that several reductions share)."""
     zero = np.zeros((), a.dtype)
     inits = (zero, zero, np.array(np.inf, c.dtype))
+    # XLA's CPU emitter keeps a reduction vectorised in steps of SUB terms (the kernel's
+    # blocks, `_kernel._block_stage`): a 2-D slice of a multiple of SUB terms (at least
+    # 2 SUB) is reduced likewise.  Any order: the same certified bits.
     n = a.shape[axis]
     if a.ndim == 2 and n % SUB == 0 and n >= 2 * SUB:
         rows, width = a.shape
