@@ -9,14 +9,16 @@ Two kernels with the same results, bit for bit (both correctly rounded):
   exact-only switch), with ``TF_STABLE_MOMENTS_NATIVE=0``, and wherever the native
   library cannot be built or loaded.
 
-The choice is made when a computation is traced, from ``jax.default_backend()``:
-the FFI target is registered for the CPU platform only, so a process whose
-default backend is a GPU or TPU uses the XLA kernel everywhere, also for arrays
-placed on its CPU devices (correct, only slower).  ``lax.platform_dependent``
-would choose per lowering platform, but it traces the XLA kernel too (about
-0.3-0.6 s per new shape), which the native path exists to avoid.  The choice is a
-static argument of the jitted functions, so switching TF_STABLE_MOMENTS_NATIVE
-between calls takes effect on the next call of `moments`.
+The choice is made per lowering platform, in one place (`_stats_p`, a primitive
+with a lowering for the CPU and one for every other platform): XLA lowers the
+native FFI call only for the CPU (where it is registered), and the XLA kernel for a
+GPU or TPU, also in a process whose CPU arrays and GPU arrays meet in one program
+(each computation is lowered for the platform of its devices).  Only the chosen
+kernel is traced (``lax.platform_dependent`` would trace both: about 0.3-0.6 s of
+the XLA kernel per new shape, which the native path exists to avoid).  Whether the
+native kernel is allowed at all (``TF_STABLE_MOMENTS_NATIVE``, the library loaded,
+the exact-only switch) is a static argument of the jitted functions, so switching
+TF_STABLE_MOMENTS_NATIVE between calls takes effect on the next call of `moments`.
 """
 
 import functools
@@ -26,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from jax_kernel import _native, _ops
 from moments_core import _kernel
@@ -84,8 +88,9 @@ def _exact_only():
 
 
 def _use_native(exact_only=False):
-    """True when this trace should use the native kernel (see the module docstring)."""
-    if exact_only or not _native.enabled() or jax.default_backend() != "cpu":
+    """True when the native kernel may serve computations lowered for the CPU (see the
+    module docstring): enabled, loaded, and not under the exact-only switch."""
+    if exact_only or not _native.enabled():
         return False
     return _native.available()
 
@@ -168,6 +173,97 @@ def _mean_lo_parts(x, axes, ddof, means, var):
         return [_ops.materialize(v) for v in lows]  # used per element by the layers
 
 
+def _kernel_outputs(x, axes, ddof, lo, exact_only, native):
+    """The flat outputs of `_stats_p`: means (one per real part), var, the undecided
+    count (int32), and with lo mean_lo per part, all flat over the kept axes."""
+    if native:
+        means, var, count, lows = _native_moments(x, axes, ddof, lo)
+    else:
+        parts, axis, fmt, work = _kernel_parts(x, axes)
+        with jax.enable_x64(True):
+            means, var, count = _kernel.slice_moments(
+                _ops, parts, axis, ddof, fmt, None, exact_only
+            )
+            means = [m.astype(work) for m in means]
+            var = var.astype(work)
+            count = count.astype(np.int32)
+        lows = _mean_lo_parts(x, axes, ddof, means, var) if lo else []
+    return [*means, var, count, *(lows or [])]
+
+
+# The kernel as a primitive whose lowering depends on the platform it is lowered for: the
+# native FFI call (registered for the CPU only) where `native` allows it on the CPU, the
+# XLA kernel everywhere else.  Device data never reach the CPU's native kernel.
+_stats_p = Primitive("tf_stable_moments_stats")
+_stats_p.multiple_results = True
+
+
+@_stats_p.def_abstract_eval
+def _stats_abstract(x, *, axes, ddof, lo, exact_only, native, x64):
+    work = _compute_dtype(x.dtype)
+    kept = int(np.prod([d for a, d in enumerate(x.shape) if a not in axes], dtype=np.int64))
+    vector = jax.core.ShapedArray((kept,), work)
+    k = 2 if jnp.iscomplexobj(x) else 1
+    return [vector] * (k + 1) + [jax.core.ShapedArray((), np.int32)] + [vector] * (k * lo)
+
+
+def _concrete_platform(x):
+    """The platform of a concrete array's devices ("cpu", "gpu", "tpu")."""
+    devices = getattr(x, "devices", None)
+    return next(iter(devices())).platform if devices else jax.default_backend()
+
+
+_kernel_outputs_jit = jax.jit(
+    _kernel_outputs, static_argnames=("axes", "ddof", "lo", "exact_only", "native")
+)
+
+
+@_stats_p.def_impl
+def _stats_impl(x, *, native, x64, **params):
+    """A concrete array (outside jit, or under jax.disable_jit): the kernel of its
+    platform, compiled once per variant (op by op under disable_jit)."""
+    native = native and _concrete_platform(x) == "cpu"
+    with jax.enable_x64(x64):
+        return _kernel_outputs_jit(x, native=native, **params)
+
+
+def _stats_lowering(native_here):
+    def lower(ctx, x, *, axes, ddof, lo, exact_only, native, x64):
+        fn = functools.partial(
+            _kernel_outputs,
+            axes=axes,
+            ddof=ddof,
+            lo=lo,
+            exact_only=exact_only,
+            native=native and native_here,
+        )
+        # Traced with the 64-bit mode of the bind (a caller's enable_x64 has ended when
+        # XLA lowers), so that the outputs have the dtypes of `_stats_abstract`.
+        with jax.enable_x64(x64):
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
+
+    return lower
+
+
+mlir.register_lowering(_stats_p, _stats_lowering(False))
+mlir.register_lowering(_stats_p, _stats_lowering(True), platform="cpu")
+
+
+def _stats_batch(args, dims, *, axes, **params):
+    """vmap: the batch axis becomes the first kept axis (outputs flat over the kept axes in
+    row-major order, so [batch * kept] reshapes to [batch, kept]); the undecided count is
+    that of all batch elements together."""
+    (x,), (bd,) = args, dims
+    x = jnp.moveaxis(x, bd, 0)
+    outs = _stats_p.bind(x, axes=tuple(a + 1 for a in axes), **params)
+    b = x.shape[0]
+    out = [o.reshape(b, -1) if o.ndim else o for o in outs]
+    return out, [0 if o.ndim else None for o in out]
+
+
+batching.primitive_batchers[_stats_p] = _stats_batch
+
+
 def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None):
     """(mean, mean_lo, var) in the target format, shaped like the kept axes.
 
@@ -181,20 +277,17 @@ def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None
     decide now (None: `_use_native`).
     """
     native = _use_native(exact_only) if native is None else bool(native) and not exact_only
-    lows = None
-    if native:
-        means, var, count, lows = _native_moments(x, axes, ddof, lo)
-    else:
-        parts, axis, fmt, work = _kernel_parts(x, axes)
-        with jax.enable_x64(True):
-            means, var, count = _kernel.slice_moments(
-                _ops, parts, axis, ddof, fmt, None, exact_only
-            )
-            means = [m.astype(work) for m in means]
-            var = var.astype(work)
-            count = count.astype(np.int32)
-    if lo and lows is None:
-        lows = _mean_lo_parts(x, axes, ddof, means, var)
+    k = 2 if jnp.iscomplexobj(x) else 1
+    outs = _stats_p.bind(
+        x,
+        axes=tuple(axes),
+        ddof=ddof,
+        lo=bool(lo),
+        exact_only=bool(exact_only),
+        native=native,
+        x64=bool(jax.config.jax_enable_x64),
+    )
+    means, var, count, lows = outs[:k], outs[k], outs[k + 1], outs[k + 2 :]
     shape = _out_shape(x.shape, axes, False)
     mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
     mean_lo = None
@@ -289,6 +382,6 @@ def moments(x, axes, keepdims=False, *, ddof=0):
     ddof = _check_ddof(ddof)
     exact_only = _exact_only()
     native = _use_native(exact_only)
-    if not native and not isinstance(x, jax.core.Tracer):
+    if not isinstance(x, jax.core.Tracer) and not (native and _concrete_platform(x) == "cpu"):
         return _concrete_moments(x, axes, bool(keepdims), ddof, exact_only)
     return _moments(x, axes, bool(keepdims), ddof, exact_only, native)

@@ -184,8 +184,8 @@ def _check_tf(layer, moving_mean, mean, variance):
             args = (layer.momentum, layer.epsilon, THRESHOLD, _token(layer))
             return _native.xla_stall_check(*values, *args)
         return moving_mean
-    if tf.config.list_logical_devices("GPU"):
-        return moving_mean  # on a GPU the cond would sync device and host at each step
+    if not _native.on_cpu(moving_mean):
+        return moving_mean  # on a device the check would sync device and host at each step
     # Nothing here has a gradient: no tape records the check (a recorded cond would have
     # its branches rebuilt for the gradient: seconds of tracing in a deep model).
     checked = moving_mean

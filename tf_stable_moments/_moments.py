@@ -374,9 +374,10 @@ def _parts(x):
     return [tf.cast(p, work) for p in parts]
 
 
-def _native_op():
-    """The native op where it serves this call: outside XLA, not under the exact-only switch."""
-    if in_xla_context() or _exact_only():
+def _native_op(x):
+    """The native op where it serves this call on x: outside XLA, on the CPU
+    (`_native.serves`: never for a device tensor), not under the exact-only switch."""
+    if in_xla_context() or _exact_only() or not _native.serves(x):
         return None
     return _native.op()
 
@@ -463,7 +464,7 @@ def native_centre(x, axes):
     switch, reduced axes that are not contiguous, a dtype other than float32 and float64).
     Its statistics are those of `stats`, and r = (x - mean_hi) - mean_lo as TensorFlow
     evaluates it: the same bits."""
-    op = _native_op()
+    op = _native_op(x)
     contiguous = axes and tuple(axes) == tuple(range(axes[0], axes[-1] + 1))
     if op is None or not contiguous or x.dtype not in (tf.float32, tf.float64):
         return None
@@ -509,7 +510,7 @@ def stats(x, axes, ddof, lo=True):
     mean and var are correctly rounded; mean_lo is mean(x) - mean rounded from a
     deterministic fixed-point sum (the same bits in every mode; docs section 9).
     """
-    op = _native_op()
+    op = _native_op(x)
     if op is not None:
         return _native_stats(op, x, axes, ddof, lo)[:3]
     if in_xla_context():
@@ -535,7 +536,7 @@ def undecided_fraction(x, axes, ddof=0):
     """The fraction of slices of x that the fast path left to the exact path (diagnostics)."""
     x = tf.convert_to_tensor(x)
     axes = _canonical_axes(axes, x.shape.rank)
-    op = _native_op()
+    op = _native_op(x)
     if op is not None:
         out = _native_stats(op, x, axes, _check_ddof(ddof), False)
     else:
@@ -579,10 +580,12 @@ def _eager_native(x, axes, keepdims, ddof):
     """moments in eager mode by one native op call, or None where the general path serves:
     a tape or forward accumulator that may record x (the analytic gradient), the native op
     unavailable, a rank unknown.  Same validation, same results (the op's are certified)."""
-    op = _native_op()
-    if op is None or _record.could_possibly_record():
+    if _record.could_possibly_record():
         return None
     x = tf.convert_to_tensor(x)
+    op = _native_op(x)
+    if op is None:
+        return None
     _compute_dtype(x.dtype)
     if x.shape.rank is None:
         return None

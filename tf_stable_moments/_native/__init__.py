@@ -8,6 +8,7 @@ every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
 """
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -104,13 +105,54 @@ def _custom_call_op():
     return getattr(gen_xla_ops, "xla_custom_call_v2", None)
 
 
+def _accelerator_visible():
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+
+
+def _scope_device():
+    """The innermost `tf.device` scope of the graph being built, "" where there is none
+    (read from the graph's device stack: building an op to ask would add it to the graph)."""
+    stack = getattr(tf.compat.v1.get_default_graph(), "_device_function_stack", None)
+    if not stack:
+        return ""
+    return getattr(stack.peek_top_obj(), "display_name", "") or ""
+
+
+@functools.lru_cache(maxsize=64)
+def _device_type(device):
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper() if device else ""
+
+
+def on_cpu(x):
+    """Whether computations on x run on the CPU: x on the CPU (eager), or a graph whose
+    ops are placed there (x's own device or the current `tf.device` scope names the CPU,
+    or names nothing while no accelerator is visible, so that the placer has only the
+    CPU).  False for a GPU or TPU tensor or scope, and for no scope with an accelerator
+    visible (the placer puts the model there)."""
+    device = getattr(x, "device", "") or ""
+    if not device and not tf.executing_eagerly():
+        device = _scope_device()
+    device = _device_type(device)
+    if device:
+        return device == "CPU"
+    return not _accelerator_visible()
+
+
+def serves(x):
+    """Whether the native CPU ops may compute on x, outside XLA: the one place TensorFlow's
+    kernel choice looks at devices.  The ops have CPU kernels only: TensorFlow would place
+    them on the CPU whatever x's device, copying a GPU's activations to the host and back.
+    So only for x `on_cpu`; elsewhere the XLA kernel runs, on the device of the data."""
+    return op() is not None and on_cpu(x)
+
+
 def xla_available():
     """Whether the native kernels serve a user's XLA computation being traced now: the
     library is loaded and no accelerator is visible (XLA would compile the computation
     for it, and the calls are registered for the CPU only)."""
     if op() is None or _custom_call_op() is None:
         return False
-    return not (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+    return not _accelerator_visible()
 
 
 def xla_moments(y, attrs, lo, mean_shape, var_shape):

@@ -1,0 +1,125 @@
+"""The kernel is chosen by the device of the data, in one place per framework.
+
+The native kernels run on the CPU only.  A GPU or TPU tensor must never reach them:
+TensorFlow would place the CPU op on the host and copy the activations there and back
+(`tf_stable_moments._native.serves`); JAX lowers the native FFI call for the CPU
+platform only (`jax_kernel._moments._stats_p`).  No accelerator is needed to check
+this: TensorFlow graphs keep the device a scope asks for, and JAX lowers for any
+platform on request.  The kernels chosen for a device give the bits of the CPU's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+from modes import bits
+
+import jax_kernel
+import tf_stable_moments
+from jax_kernel import _moments as jax_moments
+from jax_kernel import _native as jax_native
+from tf_stable_moments import _native as tf_native
+
+NATIVE_TF = tf_native.op() is not None
+NATIVE_JAX = jax_native.available()
+
+
+def data(shape=(64, 8), offset=1e4, seed=0):
+    return np.random.default_rng(seed).normal(offset, 1.0, shape).astype(np.float32)
+
+
+def native_ops(concrete):
+    return sorted({o.type for o in concrete.graph.get_operations() if o.type.startswith("Stable")})
+
+
+class FakeTensor:
+    def __init__(self, device):
+        self.device = device
+
+
+@pytest.mark.parametrize(
+    "device,expected",
+    [
+        ("/job:localhost/replica:0/task:0/device:CPU:0", NATIVE_TF),
+        ("/job:localhost/replica:0/task:0/device:GPU:0", False),
+        ("/job:worker/replica:0/task:1/device:TPU:3", False),
+    ],
+    ids=["cpu", "gpu", "tpu"],
+)
+def test_tf_native_ops_serve_cpu_tensors_only(device, expected):
+    assert tf_native.serves(FakeTensor(device)) is expected
+
+
+@pytest.mark.parametrize("scope", ["/GPU:0", "/device:TPU:0"])
+def test_tf_graph_on_a_device_holds_no_native_op_and_gives_the_cpu_bits(scope):
+    x = data()
+
+    @tf.function
+    def on_device(v):
+        with tf.device(scope):
+            return tf_stable_moments.moments(v, [0])
+
+    assert native_ops(on_device.get_concrete_function(tf.TensorSpec(x.shape, tf.float32))) == []
+    tf.config.set_soft_device_placement(True)  # no accelerator here: it runs on the CPU
+    got = on_device(tf.constant(x))
+    want = tf_stable_moments.moments(tf.constant(x), [0])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits(g.numpy()), bits(w.numpy()))
+
+
+def test_tf_graph_with_an_accelerator_visible_and_no_scope_holds_no_native_op(monkeypatch):
+    """No device scope: TensorFlow's placer would put the model on the accelerator and
+    the CPU-only op on the host, so the XLA kernel is traced (also for the layers)."""
+    spec = tf.TensorSpec((64, 8), tf.float32)
+    layer = tf_stable_moments.StableBatchNormalization()
+    layer.build((64, 8))
+    graphs = {}
+    for visible in (False, True):
+        monkeypatch.setattr(tf_native, "_accelerator_visible", lambda v=visible: v)
+        moments = tf.function(lambda v: tf_stable_moments.moments(v, [0]))
+        step = tf.function(lambda v: layer(v, training=True))
+        graphs[visible] = native_ops(moments.get_concrete_function(spec)) + native_ops(
+            step.get_concrete_function(spec)
+        )
+    assert graphs[True] == []
+    native = ["StableMoments", "StableCentre", "StableStallCheck"]
+    assert graphs[False] == (native if NATIVE_TF else [])
+
+
+def test_tf_cpu_scope_keeps_the_native_op_with_an_accelerator_visible(monkeypatch):
+    monkeypatch.setattr(tf_native, "_accelerator_visible", lambda: True)
+
+    @tf.function
+    def on_cpu(v):
+        with tf.device("/CPU:0"):
+            return tf_stable_moments.moments(v, [0])
+
+    concrete = on_cpu.get_concrete_function(tf.TensorSpec((64, 8), tf.float32))
+    assert native_ops(concrete) == (["StableMoments"] if NATIVE_TF else [])
+
+
+@pytest.mark.parametrize("platforms", [("cuda",), ("tpu",), ("rocm",)], ids=lambda p: p[0])
+def test_jax_lowering_for_a_device_holds_no_native_call(platforms):
+    x = jnp.asarray(data())
+
+    def f(v):
+        return jax_kernel.moments(v, (0,)), jax_moments.stats(v, (0,), 0, True)
+
+    text = jax.jit(f).trace(x).lower(lowering_platforms=platforms).as_text()
+    assert jax_native.TARGET not in text and jax_native.LO_TARGET not in text
+    cpu = jax.jit(f).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert (jax_native.TARGET in cpu) is (NATIVE_JAX and jax_moments._use_native())
+
+
+def test_jax_one_export_for_cpu_and_gpu_chooses_per_platform():
+    """Lowered for several platforms at once: the CPU branch holds the native call, the
+    others the XLA kernel; run here (CPU), the bits are those of the XLA kernel."""
+    x = jnp.asarray(data())
+    f = jax.jit(lambda v: jax_kernel.moments(v, (0,)))
+    text = f.trace(x).lower(lowering_platforms=("cpu", "cuda")).as_text()
+    assert (jax_native.TARGET in text) is (NATIVE_JAX and jax_moments._use_native())
+    got = f(x)
+    want = jax_moments.stats(x, (0,), 0, False, native=False)
+    np.testing.assert_array_equal(bits(np.asarray(got[0])), bits(np.asarray(want[0])))
+    np.testing.assert_array_equal(bits(np.asarray(got[1])), bits(np.asarray(want[2])))
