@@ -161,6 +161,24 @@ def test_stabilize_replaces_every_batch_normalization_of_a_nested_model():
         )
 
 
+def test_stabilize_keeps_the_operations_of_a_functional_model():
+    """`h + a` between KerasTensors is an operation, not a layer: cloned, no weights to
+    copy (a residual pre-LN block failed with "'Add' object has no attribute 'weights'")."""
+    import keras
+
+    import tf_stable_moments
+
+    inputs = keras.Input((4, 8))
+    h = keras.layers.LayerNormalization()(inputs)
+    h = inputs + keras.layers.Dense(8)(h)
+    model = keras.Model(inputs, keras.ops.mean(h, axis=1))
+    swapped = tf_stable_moments.stabilize(model)
+    kinds = [type(layer) for layer in _leaves(swapped)]
+    assert kinds == [tf_stable_moments.StableLayerNormalization, keras.layers.Dense]
+    x = np.random.default_rng(23).normal(1e4, 1.0, (2, 4, 8)).astype(np.float32)
+    np.testing.assert_allclose(swapped(x), model(x), rtol=1e-4, atol=1e-3)
+
+
 def test_stabilize_rejects_what_it_cannot_swap():
     import keras
 

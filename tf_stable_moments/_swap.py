@@ -103,7 +103,8 @@ def stabilize(model, *, compensated_moving_stats=False):
         if type(layer) is keras.layers.BatchNormalization and compensated_moving_stats:
             config["compensated_moving_stats"] = True
         new = new_class.from_config(config)
-        pairs.append((layer, new))
+        if isinstance(layer, keras.layers.Layer):  # operations (h + a) hold no weights
+            pairs.append((layer, new))
         return new
 
     new_model = keras.models.clone_model(model, clone_function=clone, recursive=True)
