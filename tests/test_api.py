@@ -505,27 +505,38 @@ def test_under_jit_compile_with_an_accelerator_the_xla_kernel_serves(monkeypatch
     assert "custom_call_target" not in hlo and " while(" in hlo
 
 
-def test_under_jit_compile_kept_axes_unknown_while_tracing_take_the_xla_kernel():
+@pytest.mark.parametrize(
+    "shape,axes,spec,dtype",
+    [
+        ((48, 5), [0], [None, 5], np.float32),  # reduced axis unknown: one call
+        ((48, 5), [1], [None, 5], np.float32),  # kept axis unknown: chunks of 8192 rows
+        ((40000, 3), [1], [None, 3], np.float64),  # three chunks, the last one padded
+        ((6, 7, 33), [2], [None, 7, None], np.complex64),  # reduced length unknown too
+        ((3, 4, 5, 6), [1, 3], [None, 4, 5, 6], np.float32),  # transposed, kept [3, 5]
+    ],
+    ids=["reduced-unknown", "kept-unknown", "three-chunks", "complex", "transposed"],
+)
+def test_under_jit_compile_unknown_lengths_take_the_native_custom_call(shape, axes, spec, dtype):
     """The custom call's result shapes are fixed when the graph is traced: with the kept
-    axes unknown then (a LayerNormalization's batch under Keras fit), the XLA kernel is
-    built in; reduced axes unknown (a BatchNormalization's batch) keep the custom call.
-    Both give the oracle's bits."""
+    axes unknown then (a LayerNormalization's batch under Keras fit), it runs on chunks
+    of a static number of rows in one XLA loop instead of the XLA kernel being built in;
+    reduced axes unknown (a BatchNormalization's batch) are one call.  Oracle bits."""
     rng = np.random.default_rng(71)
-    x = rng.normal(1e6, 1.0, (48, 5)).astype(np.float32)
-
-    def compiled(axes):
-        spec = [tf.TensorSpec([None, 5], tf.float32)]
-        return tf.function(
-            lambda v: tf_stable_moments.moments(v, axes), jit_compile=True, input_signature=spec
-        )
-
-    for axes, native in (([0], True), ([1], False)):
-        fn = compiled(axes)
-        hlo = fn.experimental_get_compiler_ir(tf.constant(x))("hlo")
-        assert ("tf_stable_moments_moments" in hlo) is native, axes
-        want = datasets.oracle(x, tuple(axes), 0)
-        for got, exact in zip(fn(tf.constant(x)), want):
-            assert np.array_equal(bits(got.numpy()), bits(exact)), axes
+    x = rng.normal(1e6, 1.0, shape).astype(dtype)
+    if np.iscomplexobj(x):
+        x = (x + 1j * rng.normal(5.0, 1.0, shape)).astype(dtype)
+    fn = tf.function(
+        lambda v: tf_stable_moments.moments(v, axes),
+        jit_compile=True,
+        input_signature=[tf.TensorSpec(spec, tf.as_dtype(dtype))],
+    )
+    hlo = fn.experimental_get_compiler_ir(tf.constant(x))("hlo")
+    assert hlo.count('custom_call_target="tf_stable_moments_moments"') == 1
+    kept_unknown = None in [spec[a] for a in range(len(spec)) if a not in axes]
+    assert hlo.count(" while(") == int(kept_unknown)  # the chunks' loop, no exact path
+    want = datasets.oracle(x, tuple(axes), 0)
+    for got, exact in zip(fn(tf.constant(x)), want):
+        assert np.array_equal(bits(got.numpy()), bits(exact))
 
 
 def test_the_jax_xla_kernel_gradient_computes_mean_lo_once():

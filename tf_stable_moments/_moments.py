@@ -484,8 +484,9 @@ def native_centre(x, axes):
 def _native_xla_stats(x, axes, ddof, lo):
     """(mean, mean_lo, var, undecided) from the native kernels as one custom call inside a
     user's XLA computation, or None where they cannot serve it (the library missing, an
-    accelerator visible, the exact-only switch, kept axes unknown while tracing: the
-    custom call's result shapes are fixed then).  The results are certified: the bits of
+    accelerator visible, the exact-only switch).  Kept axes unknown while tracing (the
+    custom call's result shapes are fixed then) run it on chunks of static size in an
+    XLA loop (`_native.xla_moments_chunked`).  The results are certified: the bits of
     every other implementation."""
     if _exact_only() or not _native.xla_available():
         return None
@@ -495,12 +496,38 @@ def _native_xla_stats(x, axes, ddof, lo):
     mean_shape = dims[: attrs["axis_begin"]] + dims[attrs["axis_end"] :]
     var_shape = mean_shape[:-1] if attrs["parts"] == 2 else mean_shape
     if None in mean_shape:
-        return None
-    out = _native.xla_moments(y, attrs, lo, mean_shape, var_shape)
+        out = _chunked_xla_stats(y, attrs, lo, dims)
+        if out is None:
+            return None
+    else:
+        out = _native.xla_moments(y, attrs, lo, mean_shape, var_shape)
     mean, var, undecided = out[0], out[1], out[-1]
     var = var if var.dtype == work else tf.cast(var, work)
     mean_lo = _native_output(x, out[2], work) if lo else None
     return _native_output(x, mean, work), mean_lo, var, undecided
+
+
+def _chunked_xla_stats(y, attrs, lo, dims):
+    """(mean, var, [mean_lo,] undecided) of the custom call on chunks of rows, for kept
+    axes unknown while tracing (`_native.xla_moments_chunked`), shaped like the kept
+    axes; None where the kept axes after the reduced ones are unknown.  The loop is one
+    tf.function per variant, traced once per process, not once per layer and shape."""
+    rows = _native.chunk_rows(attrs, dims)
+    if rows is None:
+        return None
+    begin, end, parts = attrs["axis_begin"], attrs["axis_end"], attrs["parts"]
+    inner = int(np.prod(dims[end : len(dims) - (parts == 2)], dtype=np.int64))
+    tail = [2] if parts == 2 else []
+    shape = tf.shape(y)
+    outer, n = tf.reduce_prod(shape[:begin]), tf.reduce_prod(shape[begin:end])
+    y3 = tf.reshape(y, tf.concat([tf.stack([outer, n]), [inner], tail], 0))
+    key = ("chunks", lo, rows, inner, parts, y.dtype, *sorted(attrs.items()))
+    spec = [tf.TensorSpec([None, None, inner, *tail], y.dtype)]
+    fn = _compiled(key, lambda v: _native.xla_moments_chunked(v, attrs, lo, rows), spec)
+    out = fn(y3)
+    kept = tf.concat([shape[:begin], shape[end:]], 0)
+    var_kept = kept[:-1] if parts == 2 else kept
+    return [tf.reshape(o, s) for o, s in zip(out[:-1], [kept, var_kept, kept])] + [out[-1]]
 
 
 @tf.autograph.experimental.do_not_convert

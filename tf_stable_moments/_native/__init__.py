@@ -13,6 +13,7 @@ import os
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
@@ -184,6 +185,69 @@ def xla_moments(y, attrs, lo, mean_shape, var_shape):
         result_dtypes=dtypes,
         result_shapes=shapes,
     )
+
+
+CHUNK_ELEMENTS = 2**16  # inputs per custom call when the kept length is unknown
+
+
+def _int64(values):
+    return tf.constant(values, tf.int64, shape=[len(values)])
+
+
+def chunk_rows(attrs, dims):
+    """Rows per chunk of `xla_moments_chunked` for y of static dims `dims` (None where
+    unknown): a power of two, about CHUNK_ELEMENTS inputs (1024 per row where the reduced
+    length is unknown), or None where the kept dimensions after the reduced range
+    (`inner`) are unknown."""
+    begin, end = attrs["axis_begin"], attrs["axis_end"]
+    inner = dims[end : len(dims) - (attrs["parts"] == 2)]
+    if None in inner:
+        return None
+    reduced = dims[begin:end]
+    size = 2**10 if None in reduced else int(np.prod(reduced, dtype=np.int64))
+    rows = max(1, CHUNK_ELEMENTS // max(size * int(np.prod(inner, dtype=np.int64)), 1))
+    return 1 << (rows.bit_length() - 1)
+
+
+def xla_moments_chunked(y3, attrs, lo, rows):
+    """`xla_moments` of y3 [outer, n, inner(, 2)] (inner static) whose kept length `outer`
+    is unknown while tracing (a LayerNormalization's batch under Keras fit): the custom
+    call's result shapes are fixed then, so it runs on chunks of `rows` rows in an XLA
+    loop.  The rows are padded with zeros to a whole number of chunks (slices of zeros:
+    decided, cut off) and each chunk's results are written in place.  Returns (mean,
+    var, [mean_lo,] undecided) as [outer, inner] (mean and mean_lo [outer, inner, 2] for
+    complex data).  Slice by slice the same kernel: the same bits."""
+    from tensorflow.compiler.tf2xla.python import xla
+
+    tail = y3.shape.as_list()[3:]
+    inner = y3.shape[2]
+    shape = tf.shape(y3, out_type=tf.int64)
+    outer, n = shape[0], shape[1]
+    padded = (outer + rows - 1) // rows * rows
+    pads = tf.concat([[[0, padded - outer]], tf.zeros([2 + len(tail), 2], tf.int64)], 0)
+    y3 = tf.pad(y3, pads)
+    sizes = tf.concat([tf.stack([tf.constant(rows, tf.int64), n]), _int64([inner, *tail])], 0)
+    chunk_attrs = dict(attrs, axis_begin=1, axis_end=2)
+    shapes = [[rows, inner, *tail], [rows, inner]] + ([[rows, inner, *tail]] if lo else [])
+
+    def at(start, rank):
+        return tf.concat([[start], _int64([0] * (rank - 1))], 0)
+
+    def body(i, undecided, *buffers):
+        start = i * rows
+        chunk = xla.dynamic_slice(y3, at(start, 3 + len(tail)), sizes)
+        chunk = tf.reshape(chunk, [rows, -1, inner, *tail])  # n may be unknown while tracing
+        res = xla_moments(chunk, chunk_attrs, lo, shapes[0], shapes[1])
+        new = [
+            xla.dynamic_update_slice(b, r, at(start, len(s)))
+            for b, r, s in zip(buffers, res, shapes)
+        ]
+        return (i + 1, undecided + res[-1], *new)
+
+    buffers = [tf.zeros(tf.concat([[padded], _int64(s[1:])], 0), y3.dtype) for s in shapes]
+    zero = tf.constant(0, tf.int64)
+    out = tf.while_loop(lambda i, *_: i < padded // rows, body, (zero, zero, *buffers))
+    return (*(b[:outer] for b in out[2:]), out[1])
 
 
 def xla_stall_check(moving_mean, mean, variance, momentum, epsilon, threshold, token):
