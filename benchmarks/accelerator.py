@@ -11,13 +11,17 @@ get, on whatever machine it runs on:
    `jit_compile` against `tf.nn.moments` and under JAX `jit` against `jnp.var` (steady
    medians, ratios in this process), the first call of each (compile included) and
    the fraction of slices the fast path leaves to the exact path;
+3. one ResNet50 (32x32, batch 16, every BN swapped: `benchmarks/models.py`) per
+   framework, TF `jit_compile` and JAX `jit`: first step, steady step and the first step
+   of a new batch size, ours against keras's BatchNormalization;
 
-printed as one table.  On a machine with an accelerator it measures the accelerator;
+printed as tables.  On a machine with an accelerator it measures the accelerator;
 on a CPU the native kernel is switched off first (TF_STABLE_MOMENTS_NATIVE=0), which
 runs exactly what an accelerator runs: the CPU twin of the measurement.
 
-Usage: python benchmarks/accelerator.py [--reps 7] [--no-tests] [--cases K]
-(about 3-5 minutes on 2 CPU cores; the tests are most of it).
+Usage: python benchmarks/accelerator.py [--reps 7] [--no-tests] [--cases K] [--steps 3]
+[--no-models]  (parts 1-2 take about 3-5 minutes on 2 CPU cores, the tests most of it;
+part 3 minutes more on a CPU, where the XLA kernel compiles into every BN layer).
 """
 
 import argparse
@@ -30,9 +34,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_STABLE_MOMENTS_NATIVE", "0")  # a no-op where an accelerator serves
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import models  # noqa: E402  (benchmarks/models.py, beside this file)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -117,6 +123,8 @@ def main():
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--no-tests", action="store_true")
     parser.add_argument("--cases", type=int, default=len(CASES), help="the first K cases")
+    parser.add_argument("--steps", type=int, default=3, help="steady steps per model")
+    parser.add_argument("--no-models", action="store_true")
     args = parser.parse_args()
     device = jax.devices()[0]
     native = os.environ["TF_STABLE_MOMENTS_NATIVE"]
@@ -139,6 +147,22 @@ def main():
             f"({r['jax_ref_first']:.2f} s) | {r['tf_open']:.3f} / {r['jax_open']:.3f} |",
             flush=True,
         )
+    if not args.no_models:
+        model_table(args.steps)
+
+
+def model_table(steps):
+    """Part 3: ResNet50 steps, ours / keras, TF jit_compile and JAX jit (subprocesses that
+    inherit TF_STABLE_MOMENTS_NATIVE)."""
+    plan = (("tensorflow", ("jit_compile",)), ("jax", ("jit",)))
+    results = models.run_backends("ResNet50", 32, 16, steps, plan)
+    print()
+    print(f"ResNet50 32x32, batch 16, every BN swapped; seconds, ours / keras; {steps} steps")
+    print("| framework | first step | steady step | new batch size (15) |")
+    print("|---|---|---|---|")
+    for key, value in results.items():
+        cells = [f"{o:.2f} / {k:.2f} = {o / k:.2f}x" for k, o in zip(value["keras"], value["ours"])]
+        print(f"| {key} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ Usage::
     python benchmarks/models.py speed [--model ResNet50] [--size 32] [--batch 16] [--steps 10]
     python benchmarks/models.py offset [--steps 2048]
 
-``speed``: a keras.applications model (weights=None) with keras's BatchNormalization, and
-the same model after ``tf_stable_moments.stabilize``; first-step time (tracing and
-compilation included) and median steady step time of ``train_on_batch``, in TF eager
+``speed``: a keras.applications model (weights=None) with keras's BatchNormalization, or
+``--model Encoder`` (a 4-block pre-LN transformer encoder: 8 LayerNormalization, d 128,
+sequence 64, inputs around 1e4), and the same model after ``tf_stable_moments.stabilize``;
+first-step time (tracing and compilation included), median steady step time and the
+first step of a new batch size (batch - 1: a partial last batch, traced and compiled
+again where the mode compiles per shape) of ``train_on_batch``, in TF eager
 (run_eagerly=True), tf.function, tf.function(jit_compile=True) and on the JAX backend
 (a subprocess per backend: the backend is fixed when keras is imported).  The two models
 alternate step by step in one process, so load on a shared machine hits both alike; the
@@ -94,26 +97,56 @@ def offset_experiment(steps, seed=0):
 
 
 # -------------------------------------------------------------------------------- speed
+def _encoder(seq=64, d=128, blocks=4, heads=4):
+    """A pre-LN transformer encoder (2 LayerNormalization per block) with a 10-way head."""
+    import keras
+
+    inputs = keras.Input((seq, d))
+    h = inputs
+    for _ in range(blocks):
+        a = keras.layers.LayerNormalization()(h)
+        a = keras.layers.MultiHeadAttention(heads, d // heads)(a, a)
+        h = h + a
+        f = keras.layers.LayerNormalization()(h)
+        f = keras.layers.Dense(2 * d, activation="relu")(f)
+        h = h + keras.layers.Dense(d)(f)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inputs, out)
+
+
 def _models(name, size, swap):
     import keras
 
     import tf_stable_moments
 
     keras.utils.set_random_seed(0)
-    base = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=10)
+    if name == "Encoder":
+        base = _encoder()
+    else:
+        base = getattr(keras.applications, name)(
+            weights=None, input_shape=(size, size, 3), classes=10
+        )
     return base, (tf_stable_moments.stabilize(base) if swap else None)
 
 
+def _inputs(name, size, batch, rng):
+    """A batch for the model: images N(0, 1), or encoder sequences around 1e4."""
+    if name == "Encoder":
+        return (1e4 + rng.normal(size=(batch, 64, 128))).astype("float32")
+    return rng.normal(size=(batch, size, size, 3)).astype("float32")
+
+
 def speed_backend(name, size, batch, steps, modes):
-    """{mode: {"keras": (first, steady), "ours": (first, steady), "paired": (q1, median,
-    q3)}} in this process's backend: steady is the median step time, paired the quartiles
-    of ours / keras over the pairs of consecutive steps (the models alternate, so a pair
-    shares the machine's load of the moment)."""
+    """{mode: {"keras": (first, steady, new batch), "ours": (...), "paired": (q1, median,
+    q3)}} in this process's backend: steady is the median step time, new batch the first
+    step of batch - 1 after them, paired the quartiles of ours / keras over the pairs of
+    consecutive steps (the models alternate, so a pair shares the machine's load of the
+    moment)."""
     import keras
     import numpy as np
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch, size, size, 3)).astype(np.float32)
+    x = _inputs(name, size, batch, rng)
     y = rng.integers(0, 10, size=(batch,))
     out = {}
     for mode in modes:
@@ -132,19 +165,25 @@ def speed_backend(name, size, batch, steps, modes):
                 start = time.perf_counter()
                 model.train_on_batch(x, y)
                 times[key].append(time.perf_counter() - start)
-        out[mode] = {k: (t[0], float(np.median(t[1:]))) for k, t in times.items()}
-        paired = np.array(times["ours"][1:]) / np.array(times["keras"][1:])
+        for key, model in models.items():  # a partial last batch: a new shape
+            start = time.perf_counter()
+            model.train_on_batch(x[1:], y[1:])
+            times[key].append(time.perf_counter() - start)
+        out[mode] = {k: (t[0], float(np.median(t[1:-1])), t[-1]) for k, t in times.items()}
+        paired = np.array(times["ours"][1:-1]) / np.array(times["keras"][1:-1])
         out[mode]["paired"] = tuple(float(q) for q in np.percentile(paired, [25, 50, 75]))
     return out
 
 
-def speed(args):
+def run_backends(model, size, batch, steps, plan=(("tensorflow", MODES), ("jax", ("jit",)))):
+    """{"backend mode": speed_backend's value} from one subprocess per backend of `plan`
+    ((backend, modes) pairs); a failed backend is reported and left out."""
     results = {}
-    for backend, modes in (("tensorflow", MODES), ("jax", ("jit",))):
+    for backend, modes in plan:
         code = (
             "import json, sys; sys.path.insert(0, 'benchmarks'); import models; "
-            f"print('RESULT', json.dumps(models.speed_backend({args.model!r}, {args.size}, "
-            f"{args.batch}, {args.steps}, {list(modes)!r})))"
+            f"print('RESULT', json.dumps(models.speed_backend({model!r}, {size}, "
+            f"{batch}, {steps}, {list(modes)!r})))"
         )
         env = dict(os.environ, KERAS_BACKEND=backend)
         proc = subprocess.run(
@@ -157,20 +196,26 @@ def speed(args):
         for mode, value in json.loads(line[-1][7:]).items():
             results[f"{backend} {mode}"] = value
             print(f"{backend} {mode}: {value}", flush=True)
+    return results
+
+
+def speed(args):
+    results = run_backends(args.model, args.size, args.batch, args.steps)
     print(
         f"{args.model} {args.size}x{args.size}, batch {args.batch}, {args.steps} steady steps "
         "(train_on_batch; seconds; ours / keras BN)"
     )
     print(
         "| backend, mode | first step: keras | ours | ratio | steady: keras | ours | ratio "
-        "| per-pair ratio: median (quartiles) |"
+        "| per-pair ratio: median (quartiles) | new batch size: keras | ours | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, value in results.items():
-        (kf, ks), (of, os_) = value["keras"], value["ours"]
+        (kf, ks, kn), (of, os_, on) = value["keras"], value["ours"]
         q1, q2, q3 = value["paired"]
         cells = f"{kf:.2f} | {of:.2f} | {of / kf:.2f} | {ks:.3f} | {os_:.3f} | {os_ / ks:.2f}"
-        print(f"| {key} | {cells} | {q2:.2f} ({q1:.2f}-{q3:.2f}) |")
+        new = f"{kn:.2f} | {on:.2f} | {on / kn:.2f}"
+        print(f"| {key} | {cells} | {q2:.2f} ({q1:.2f}-{q3:.2f}) | {new} |")
     return results
 
 
