@@ -512,11 +512,11 @@ def _chunked_xla_stats(y, attrs, lo, dims):
     axes unknown while tracing (`_native.xla_moments_chunked`), shaped like the kept
     axes; None where the kept axes after the reduced ones are unknown.  The loop is one
     tf.function per variant, traced once per process, not once per layer and shape."""
-    rows = _native.chunk_rows(attrs, dims)
-    if rows is None:
+    chunks = _native.chunk_rows(attrs, dims)
+    if chunks is None:
         return None
+    rows, inner = chunks
     begin, end, parts = attrs["axis_begin"], attrs["axis_end"], attrs["parts"]
-    inner = int(np.prod(dims[end : len(dims) - (parts == 2)], dtype=np.int64))
     tail = [2] if parts == 2 else []
     shape = tf.shape(y)
     outer, n = tf.reduce_prod(shape[:begin]), tf.reduce_prod(shape[begin:end])

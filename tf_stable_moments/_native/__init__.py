@@ -195,18 +195,19 @@ def _int64(values):
 
 
 def chunk_rows(attrs, dims):
-    """Rows per chunk of `xla_moments_chunked` for y of static dims `dims` (None where
-    unknown): a power of two, about CHUNK_ELEMENTS inputs (1024 per row where the reduced
-    length is unknown), or None where the kept dimensions after the reduced range
-    (`inner`) are unknown."""
+    """(rows, inner) for `xla_moments_chunked` on y of static dims `dims` (None where
+    unknown): inner, the product of the kept dimensions after the reduced range, and rows
+    per chunk, a power of two for about CHUNK_ELEMENTS inputs (1024 per row where the
+    reduced length is unknown); None where inner is unknown."""
     begin, end = attrs["axis_begin"], attrs["axis_end"]
     inner = dims[end : len(dims) - (attrs["parts"] == 2)]
     if None in inner:
         return None
+    inner = int(np.prod(inner, dtype=np.int64))
     reduced = dims[begin:end]
     size = 2**10 if None in reduced else int(np.prod(reduced, dtype=np.int64))
-    rows = max(1, CHUNK_ELEMENTS // max(size * int(np.prod(inner, dtype=np.int64)), 1))
-    return 1 << (rows.bit_length() - 1)
+    rows = max(1, CHUNK_ELEMENTS // max(size * inner, 1))
+    return 1 << (rows.bit_length() - 1), inner
 
 
 def xla_moments_chunked(y3, attrs, lo, rows):
