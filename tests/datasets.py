@@ -122,7 +122,12 @@ def mean_lo_cases():
         offset = {np.float16: 1e3}.get(dtype, 1e6)
         tiny = {np.float32: 1e-40, np.float64: 1e-310, np.float16: 1e-6}[dtype]
         big = {np.float32: 1e37, np.float64: 1e300, np.float16: 1e4}[dtype]  # finite
-        for shape, axes in (((64, 33), (0,)), ((5, 7, 9), (0, 2)), ((12, 40), (1,))):
+        for shape, axes in (
+            ((64, 33), (0,)),
+            ((5, 7, 9), (0, 2)),
+            ((12, 40), (1,)),
+            ((3, 999), (1,)),
+        ):
             z = rng.standard_normal(shape)
             mixed = z * 10.0 ** rng.integers(-6, 6, shape)
             mixed = np.clip(mixed, -6e4, 6e4) if dtype == np.float16 else mixed  # finite

@@ -1172,16 +1172,32 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
     scale[s] = lo_scale(m[s], static_cast<double>(var[s / parts]), n, ddof, f);
     down[s] = scale[s].down;
   }
-  for (int64_t o = 0; o < outer; ++o) {
-    const T* block = x + o * n * width;
-    double* t = total.data() + o * width;
-    const double* mo = m.data() + o * width;
-    const double* dn = down.data() + o * width;
-    for (int64_t k = 0; k < n; ++k) {
-      const T* row = block + k * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const double d = ftz(flushed(row[i], tiny) - mo[i]);
-        t[i] += std::nearbyint(ftz(d * dn[i]));  // an integer: the sum is exact
+  // Every term is an integer and sum |term| < 2**52 (section 9): every partial sum is
+  // exact, so the terms may be added in any order and any number of chains.
+  auto term = [tiny](T v, double mean, double dn) {
+    return std::nearbyint(ftz(ftz(flushed(v, tiny) - mean) * dn));
+  };
+  if (width == 1) {  // contiguous slices (a LayerNormalization): 8 chains per slice
+    for (int64_t o = 0; o < outer; ++o) {
+      const T* row = x + o * n;
+      const double mo = m[o], dn = down[o];
+      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t k = 0;
+      for (; k + 8 <= n; k += 8) {
+        for (int j = 0; j < 8; ++j) acc[j] += term(row[k + j], mo, dn);
+      }
+      for (; k < n; ++k) acc[0] += term(row[k], mo, dn);
+      total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+  } else {
+    for (int64_t o = 0; o < outer; ++o) {
+      const T* block = x + o * n * width;
+      double* t = total.data() + o * width;
+      const double* mo = m.data() + o * width;
+      const double* dn = down.data() + o * width;
+      for (int64_t k = 0; k < n; ++k) {
+        const T* row = block + k * width;
+        for (int64_t i = 0; i < width; ++i) t[i] += term(row[i], mo[i], dn[i]);
       }
     }
   }
