@@ -123,3 +123,19 @@ def test_jax_one_export_for_cpu_and_gpu_chooses_per_platform():
     want = jax_moments.stats(x, (0,), 0, False, native=False)
     np.testing.assert_array_equal(bits(np.asarray(got[0])), bits(np.asarray(want[0])))
     np.testing.assert_array_equal(bits(np.asarray(got[1])), bits(np.asarray(want[2])))
+
+
+@pytest.mark.parametrize("platforms", [("cuda",), ("tpu",)], ids=lambda p: p[0])
+def test_jax_stall_check_lowered_for_a_device_holds_no_native_call(platforms):
+    """The layers' stall check (one FFI call on the CPU) passes the moving mean through
+    in a computation lowered for a device: no host call there."""
+    vectors = [jnp.full((4,), v, jnp.float32) for v in (1e6, 1e6 + 1, 1.0)]
+
+    def check(*v):
+        return jax_native.stall_call(*v, 0.9, 1e-3, 10.0, 0)
+
+    device = jax.jit(check).trace(*vectors).lower(lowering_platforms=platforms).as_text()
+    assert "stablehlo.custom_call" not in device
+    cpu = jax.jit(check).trace(*vectors).lower(lowering_platforms=("cpu",)).as_text()
+    assert f"@{jax_native.STALL_TARGET}" in cpu
+    np.testing.assert_array_equal(bits(np.asarray(jax.jit(check)(*vectors))), bits(vectors[0]))

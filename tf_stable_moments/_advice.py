@@ -142,17 +142,19 @@ def _check_jax(layer, moving_mean, mean, variance):
     if not any(isinstance(t, jax.core.Tracer) for t in values):
         _report(layer, *(np.asarray(t) for t in values))
         return moving_mean
-    if jax.default_backend() != "cpu":  # a compiled cond would sync device and host
-        return moving_mean
     from jax_kernel import _native
 
     if moving_mean.dtype == jnp.float32 and _native.available():
-        # One custom call (a lax.cond around jax.debug.callback cost a compiled training
-        # step about 0.5 ms per layer on a 2-core CPU, taken or not).
+        # One custom call on the CPU, none on a device (lowered per platform: a check on
+        # the host would sync device and host at every step); a lax.cond around
+        # jax.debug.callback cost a compiled training step about 0.5 ms per layer on a
+        # 2-core CPU, taken or not.
         _native.set_stall_reporter(_native_report)
         return _native.stall_call(
             moving_mean, mean, variance, layer.momentum, layer.epsilon, THRESHOLD, _token(layer)
         )
+    if jax.default_backend() != "cpu":  # a compiled cond would sync device and host
+        return moving_mean
     magnitude = jnp.abs(moving_mean)
     ulp = jnp.nextafter(magnitude, jnp.inf) - magnitude
     distance = jnp.abs(mean - moving_mean)

@@ -10,12 +10,16 @@ disables the native kernel (no warning).
 """
 
 import ctypes
+import functools
 import os
 import threading
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from moments_core.native import enabled
 
@@ -183,14 +187,8 @@ def mean_lo_call(x, mean, var, ddof, fmt):
         )
 
 
-def stall_call(moving_mean, mean, variance, momentum, epsilon, threshold, token):
-    """The stall test (tf_stable_moments/_advice.py) of one layer's float32 [c] vectors as
-    one FFI call: returns moving_mean itself (use it, so that XLA keeps the call); the
-    reporter of `set_stall_reporter` hears of the first stall of `token`.  No derivative:
-    the inputs are passed through stop_gradient."""
-    if load() is None:
-        raise RuntimeError("stall_call: the native kernel is unavailable or switched off")
-    moving_mean, mean, variance = (jax.lax.stop_gradient(v) for v in (moving_mean, mean, variance))
+def _stall_ffi(moving_mean, mean, variance, *, momentum, epsilon, threshold, token):
+    """The FFI call itself (CPU only)."""
     with jax.enable_x64(True):
         call = jax.ffi.ffi_call(
             STALL_TARGET,
@@ -206,3 +204,50 @@ def stall_call(moving_mean, mean, variance, momentum, epsilon, threshold, token)
             threshold=np.float32(threshold),
             token=np.int64(token),
         )
+
+
+# The check as a primitive lowered per platform: the FFI call for the CPU (where it is
+# registered), moving_mean itself for every other platform (a check on the host would
+# synchronise device and host at every step), as `jax_kernel._moments._stats_p` chooses
+# the kernel.  Named as the target, so that a jaxpr shows the check.
+_stall_p = Primitive(STALL_TARGET)
+_stall_p.def_abstract_eval(lambda moving_mean, *_, **__: moving_mean)
+_stall_p.def_impl(
+    lambda *args, **params: jax.jit(functools.partial(_stall_p.bind, **params))(*args)
+)
+mlir.register_lowering(_stall_p, mlir.lower_fun(lambda m, *_, **__: m, multiple_results=False))
+mlir.register_lowering(_stall_p, mlir.lower_fun(_stall_ffi, multiple_results=False), platform="cpu")
+
+
+def _stall_batch(args, dims, **params):
+    """vmap: every input with the batch axis first (broadcast where it has none), as the
+    FFI call's broadcast_all; the check reads all channels of all batch elements."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    args = [
+        jnp.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    return _stall_p.bind(*args, **params), 0
+
+
+batching.primitive_batchers[_stall_p] = _stall_batch
+
+
+def stall_call(moving_mean, mean, variance, momentum, epsilon, threshold, token):
+    """The stall test (tf_stable_moments/_advice.py) of one layer's float32 [c] vectors as
+    one FFI call on the CPU: returns moving_mean itself (use it, so that XLA keeps the
+    call); the reporter of `set_stall_reporter` hears of the first stall of `token`.  A
+    computation lowered for another platform holds no call (moving_mean passes through).
+    No derivative: the inputs are passed through stop_gradient."""
+    if load() is None:
+        raise RuntimeError("stall_call: the native kernel is unavailable or switched off")
+    moving_mean, mean, variance = (jax.lax.stop_gradient(v) for v in (moving_mean, mean, variance))
+    return _stall_p.bind(
+        moving_mean,
+        mean,
+        variance,
+        momentum=float(momentum),
+        epsilon=float(epsilon),
+        threshold=float(threshold),
+        token=int(token),
+    )
