@@ -139,3 +139,10 @@ def test_jax_stall_check_lowered_for_a_device_holds_no_native_call(platforms):
     cpu = jax.jit(check).trace(*vectors).lower(lowering_platforms=("cpu",)).as_text()
     assert f"@{jax_native.STALL_TARGET}" in cpu
     np.testing.assert_array_equal(bits(np.asarray(jax.jit(check)(*vectors))), bits(vectors[0]))
+    # Concrete arrays (eager and under disable_jit: the primitive's impl) and vmap.
+    np.testing.assert_array_equal(bits(np.asarray(check(*vectors))), bits(vectors[0]))
+    with jax.disable_jit():
+        np.testing.assert_array_equal(bits(np.asarray(check(*vectors))), bits(vectors[0]))
+    stacked = jnp.stack([vectors[0], vectors[0] + 64])
+    out = jax.vmap(lambda m: check(m, *vectors[1:]))(stacked)
+    np.testing.assert_array_equal(bits(np.asarray(out)), bits(np.asarray(stacked)))

@@ -10,7 +10,6 @@ disables the native kernel (no warning).
 """
 
 import ctypes
-import functools
 import os
 import threading
 import warnings
@@ -212,9 +211,18 @@ def _stall_ffi(moving_mean, mean, variance, *, momentum, epsilon, threshold, tok
 # the kernel.  Named as the target, so that a jaxpr shows the check.
 _stall_p = Primitive(STALL_TARGET)
 _stall_p.def_abstract_eval(lambda moving_mean, *_, **__: moving_mean)
-_stall_p.def_impl(
-    lambda *args, **params: jax.jit(functools.partial(_stall_p.bind, **params))(*args)
-)
+
+
+@_stall_p.def_impl
+def _stall_impl(moving_mean, mean, variance, **params):
+    """Concrete arrays (eager, or under jax.disable_jit): the check on the CPU only."""
+    devices = getattr(moving_mean, "devices", None)
+    platform = next(iter(devices())).platform if devices else jax.default_backend()
+    if platform != "cpu":
+        return moving_mean
+    return _stall_ffi(moving_mean, mean, variance, **params)
+
+
 mlir.register_lowering(_stall_p, mlir.lower_fun(lambda m, *_, **__: m, multiple_results=False))
 mlir.register_lowering(_stall_p, mlir.lower_fun(_stall_ffi, multiple_results=False), platform="cpu")
 
@@ -222,9 +230,9 @@ mlir.register_lowering(_stall_p, mlir.lower_fun(_stall_ffi, multiple_results=Fal
 def _stall_batch(args, dims, **params):
     """vmap: every input with the batch axis first (broadcast where it has none), as the
     FFI call's broadcast_all; the check reads all channels of all batch elements."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
     return _stall_p.bind(*args, **params), 0
