@@ -207,12 +207,6 @@ def _stats_abstract(x, *, axes, ddof, lo, exact_only, native, x64):
     return [vector] * (k + 1) + [jax.core.ShapedArray((), np.int32)] + [vector] * (k * lo)
 
 
-def _concrete_platform(x):
-    """The platform of a concrete array's devices ("cpu", "gpu", "tpu")."""
-    devices = getattr(x, "devices", None)
-    return next(iter(devices())).platform if devices else jax.default_backend()
-
-
 _kernel_outputs_jit = jax.jit(
     _kernel_outputs, static_argnames=("axes", "ddof", "lo", "exact_only", "native")
 )
@@ -222,7 +216,7 @@ _kernel_outputs_jit = jax.jit(
 def _stats_impl(x, *, native, x64, **params):
     """A concrete array (outside jit, or under jax.disable_jit): the kernel of its
     platform, compiled once per variant (op by op under disable_jit)."""
-    native = native and _concrete_platform(x) == "cpu"
+    native = native and _native.concrete_platform(x) == "cpu"
     with jax.enable_x64(x64):
         return _kernel_outputs_jit(x, native=native, **params)
 
@@ -382,6 +376,7 @@ def moments(x, axes, keepdims=False, *, ddof=0):
     ddof = _check_ddof(ddof)
     exact_only = _exact_only()
     native = _use_native(exact_only)
-    if not isinstance(x, jax.core.Tracer) and not (native and _concrete_platform(x) == "cpu"):
+    concrete = not isinstance(x, jax.core.Tracer)
+    if concrete and not (native and _native.concrete_platform(x) == "cpu"):
         return _concrete_moments(x, axes, bool(keepdims), ddof, exact_only)
     return _moments(x, axes, bool(keepdims), ddof, exact_only, native)

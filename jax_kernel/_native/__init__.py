@@ -186,6 +186,14 @@ def mean_lo_call(x, mean, var, ddof, fmt):
         )
 
 
+def concrete_platform(x):
+    """The platform of a concrete array's devices ("cpu", "gpu", "tpu"): what the
+    primitives lowered per platform (`_stall_p`, `jax_kernel._moments._stats_p`) run on
+    outside jit."""
+    devices = getattr(x, "devices", None)
+    return next(iter(devices())).platform if devices else jax.default_backend()
+
+
 def _stall_ffi(moving_mean, mean, variance, *, momentum, epsilon, threshold, token):
     """The FFI call itself (CPU only)."""
     with jax.enable_x64(True):
@@ -216,9 +224,7 @@ _stall_p.def_abstract_eval(lambda moving_mean, *_, **__: moving_mean)
 @_stall_p.def_impl
 def _stall_impl(moving_mean, mean, variance, **params):
     """Concrete arrays (eager, or under jax.disable_jit): the check on the CPU only."""
-    devices = getattr(moving_mean, "devices", None)
-    platform = next(iter(devices())).platform if devices else jax.default_backend()
-    if platform != "cpu":
+    if concrete_platform(moving_mean) != "cpu":
         return moving_mean
     return _stall_ffi(moving_mean, mean, variance, **params)
 
