@@ -153,30 +153,35 @@ def _segment_digits(ops, data, starts, length, rows):
     return ops.reshape(out, [rows, length])
 
 
-def _shift_up(ops, d):
-    """Digits moved one place up (times 2**16), the top one dropped."""
-    return ops.concat([ops.zeros_like(d[:, :1]), d[:, :-1]], 1)
-
-
 def normalise(ops, d):
-    """Carry until every digit but the top one lies in [0, 2**16); the value is unchanged."""
+    """Carry until every digit but the top one lies in [0, 2**16); the value is unchanged.
+
+    Every digit passes its carry floor(d / 2**16) up at once, until no digit below the
+    top one has a carry left (a few steps, more only where carries ripple through
+    digits of 2**16 - 1); the top digit keeps its carry, so it holds the sign.
+    """
     length = ops.shape(d, 1)
     top = ops.eq(ops.expand_dims(ops.iota(length, "int64"), 0), length - 1)
 
     def pending(d):
-        return ops.any(ops.ne(ops.where(top, 0, ops.shr(d, 16)), 0))
+        return ops.any(ops.ne(ops.where(top, 0, ops.shr(d, RADIX_BITS)), 0))
 
     def step(d):
-        carry = ops.where(top, 0, ops.shr(d, 16))  # floor division by 2**16
-        return (d - ops.shl(carry, 16) + _shift_up(ops, carry),)
+        carry = ops.where(top, 0, ops.shr(d, RADIX_BITS))  # floor division by 2**16
+        up = ops.concat([ops.zeros_like(carry[:, :1]), carry[:, :-1]], 1)
+        return (d - ops.shl(carry, RADIX_BITS) + up,)
 
     return ops.while_loop(lambda d: pending(d), step, (d,))[0]
 
 
-def negate_if(ops, d, negative):
-    """(|value|, sign) of normalised digits, row by row."""
-    d = ops.where(ops.expand_dims(negative, 1), -d, d)
-    return normalise(ops, d)
+def magnitudes(ops, d):
+    """(|value| digits, negative) of digits [rows, L] (|digit| < 2**62), normalised: the
+    value and its negation carried in one pass, each row's non-negative one kept."""
+    rows = ops.shape(d, 0)
+    both = normalise(ops, ops.concat([d, -d], 0))
+    plus, minus = both[:rows], both[rows:]
+    negative = plus[:, -1] < 0
+    return ops.where(ops.expand_dims(negative, 1), minus, plus), negative
 
 
 def multiply(ops, a, b):
@@ -197,39 +202,6 @@ def resize(ops, d, length):
     return ops.concat([d, ops.zeros([ops.shape(d, 0), length - have], "int64")], 1)
 
 
-def divide(ops, d, divisors):
-    """(q, inexact): the digits of floor(value / prod(divisors)) and whether a remainder
-    is left, for normalised digits of a value >= 0 and divisors 1 <= a < 2**46 (int64
-    [rows] each).
-
-    Long division from the top digit, by every divisor in one loop: the quotient
-    digits by the first divisor (each below 2**16: the remainder r < a, r 2**16 + digit
-    < a 2**16 < 2**62) are the digits the next one divides, as they come, since
-    floor(floor(v / a) / b) = floor(v / (a b)) with a zero remainder only if both are.
-    """
-    length = ops.shape(d, 1)
-    index = ops.expand_dims(ops.iota(length, "int64"), 0)
-    divisors = [ops.expand_dims(a, 1) for a in divisors]
-
-    def step(k, q, *rs):
-        digit = ops.sum(ops.where(ops.eq(index, k), d, 0), 1, keepdims=True)
-        new = []
-        for a, r in zip(divisors, rs):
-            cur = ops.shl(r, 16) + digit
-            digit = ops.floordiv(cur, a)
-            new.append(cur - digit * a)
-        return (k - 1, q + ops.where(ops.eq(index, k), digit, 0), *new)
-
-    start = (ops.constant(length - 1, "int64"), ops.zeros_like(d))
-    start += tuple(ops.zeros_like(a) for a in divisors)
-    _, q, *rs = ops.while_loop(lambda k, *_: k >= 0, step, start)
-    inexact = None
-    for r in rs:
-        r = ops.ne(ops.squeeze(r, 1), 0)
-        inexact = r if inexact is None else inexact | r
-    return q, inexact
-
-
 def bit_length(ops, v):
     """Bit length of non-negative int64 values below 2**53 (exact through float64)."""
     bits = ops.bitcast(ops.cast(v, "float64"), "int64")
@@ -243,46 +215,58 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     each in [1, 2**46); offset: an int or an int64 [rows] array.  Round-half-even,
     results below 2**emin flush to 0, results >= 2**emax are inf; `negative`
     (bool [rows]) sets the sign.
+
+    One loop, one step per digit from the top (k = L - 1 down to -z): long division by
+    every divisor in turn (the quotient digits by the first divisor are the digits the
+    next one divides, as they come: floor(floor(v / a) / b) = floor(v / (a b)), with a
+    zero remainder only if both are; each remainder r < a, so r 2**16 + digit < 2**62),
+    and the quotient digits q_k (each below 2**16, weight 2**(16 k)) shifted into a
+    62-bit register from the first nonzero one on: `big` holds its leading `nb` bits,
+    its lowest of weight 2**low; the bits that do not fit go to the sticky bit.  The
+    z digits below the number (zeros) give the quotient at least p + 2 bits whenever
+    num > 0 (num >= 1, the divisors' product < 2**(46 d)); rounding those with a sticky
+    bit for the rest and the remainders rounds the quotient correctly (Boldo-Melquiond).
     """
     p = fmt.precision
     z = -(-(p + 2 + len(divisors) * MAX_N_BITS) // RADIX_BITS)
-    # num * 2**(16 z): the quotient has at least p + 2 bits whenever num > 0.
-    q = ops.concat([ops.zeros([ops.shape(num, 0), z], "int64"), num], 1)
-    q, sticky = divide(ops, q, divisors)
-    length = ops.shape(q, 1)
-    index = ops.iota(length, "int64")
-    nonzero = ops.ne(q, 0)
-    t = ops.max(ops.where(nonzero, ops.expand_dims(index, 0), -1), 1)  # top digit, -1 if q == 0
-    top = ops.sum(ops.where(ops.eq(ops.expand_dims(index, 0), ops.expand_dims(t, 1)), q, 0), 1)
-    bl = bit_length(ops, top)
-    # T: the 62 leading bits of q, from digits t .. t - 4; lower bits go to the sticky bit.
-    big = None
-    for j in range(5):
-        k = t - j
-        dj = ops.sum(ops.where(ops.eq(ops.expand_dims(index, 0), ops.expand_dims(k, 1)), q, 0), 1)
-        s = 62 - bl - 16 * j
-        left = ops.shl(dj, ops.maximum(s, 0))
-        right_by = ops.maximum(-s, 0)
-        right = ops.shr(dj, right_by)
-        lost = ops.ne(ops.band(dj, ops.shl(1, right_by) - 1), 0)
-        sticky = sticky | ((s < 0) & lost)
-        part = ops.where(s >= 0, left, right)
-        big = part if big is None else big + part
-    below = ops.expand_dims(index, 0) < ops.expand_dims(t - 4, 1)
-    sticky = sticky | ops.any(nonzero & below, 1)
-    # Round the 62 bits to p: round half to even, the sticky bit breaking ties.
-    r = 62 - p
+    length = ops.shape(num, 1)
+    index = ops.expand_dims(ops.iota(length, "int64"), 0)
+    zero = ops.zeros_like(divisors[0])
+
+    def step(k, big, nb, low, sticky, *rs):
+        q = ops.sum(ops.where(ops.eq(index, k), num, 0), 1)  # 0 below the number
+        remainders = []
+        for a, r in zip(divisors, rs):
+            cur = ops.shl(r, RADIX_BITS) + q
+            q = ops.floordiv(cur, a)
+            remainders.append(cur - q * a)
+        fresh = ops.eq(nb, 0)  # no nonzero quotient digit yet: q starts the register
+        s = ops.minimum(62 - nb, RADIX_BITS)  # bits of q that still fit
+        dropped = ops.band(q, ops.shl(1, RADIX_BITS - s) - 1)
+        big = ops.where(fresh, q, ops.shl(big, s) + ops.shr(q, RADIX_BITS - s))
+        sticky = sticky | (~fresh & ops.ne(dropped, 0))
+        low = ops.where(fresh, RADIX_BITS * k, low - s)
+        nb = ops.where(fresh, bit_length(ops, q), nb + s)
+        return (k - 1, big, nb, low, sticky, *remainders)
+
+    start = (ops.constant(length - 1, "int64"), zero, zero, zero, ops.ne(zero, 0))
+    start += tuple(zero for _ in divisors)
+    _, big, nb, low, sticky, *rs = ops.while_loop(lambda k, *_: k >= -z, step, start)
+    for r in rs:
+        sticky = sticky | ops.ne(r, 0)
+    # Round the nb >= p + 2 leading bits to p: half to even, the sticky bit breaking ties.
+    r = ops.maximum(nb - p, 1)
     mant = ops.shr(big, r)
-    rem = ops.band(big, (1 << r) - 1)
-    half = 1 << (r - 1)
+    rem = ops.band(big, ops.shl(1, r) - 1)
+    half = ops.shl(1, r - 1)
     up = (rem > half) | (ops.eq(rem, half) & (sticky | ops.eq(ops.band(mant, 1), 1)))
     mant = mant + ops.where(up, 1, 0)
-    lead = 16 * t + bl - 1 + ops.where(ops.eq(mant, 1 << p), 1, 0)
-    mant = ops.where(ops.eq(mant, 1 << p), ops.shr(mant, 1), mant)
-    e = lead - 16 * z + offset  # floor(log2(result))
+    over = ops.eq(mant, 1 << p)
+    mant = ops.where(over, ops.shr(mant, 1), mant)
+    e = low + r + (p - 1) + ops.where(over, 1, 0) + offset  # floor(log2(result))
     bits = ops.shl(e + fmt.bias, p - 1) + (mant - (1 << (p - 1)))
     inf = (fmt.emax + fmt.bias) << (p - 1)
-    bits = ops.where(e >= fmt.emax, inf, ops.where((e < fmt.emin) | (t < 0), 0, bits))
+    bits = ops.where(e >= fmt.emax, inf, ops.where((e < fmt.emin) | ops.eq(nb, 0), 0, bits))
     if negative is not None:  # the sign bit, as the pattern of a signed integer of fmt.bits
         signed = bits + (-(1 << (fmt.bits - 1)))
         bits = ops.where(negative & ops.ne(bits, 0), signed, bits)
@@ -318,9 +302,7 @@ def finish(ops, means, shifted, s2, n, ddof, fmt):
     k = len(means)
     rows = ops.shape(s2, 0)
     blocks = [*means, *shifted, s2]
-    sums = normalise(ops, ops.concat([resize(ops, b, l2) for b in blocks], 0))
-    negative = sums[:, -1] < 0  # S2 >= 0: never negative
-    sums = negate_if(ops, sums, negative)
+    sums, negative = magnitudes(ops, ops.concat([resize(ops, b, l2) for b in blocks], 0))
     num = sums[2 * k * rows :] * ops.expand_dims(n, 1)
     for i in range(k, 2 * k):
         magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1'| < 2**(16 l1)

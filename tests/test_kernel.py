@@ -1,6 +1,7 @@
 """Accuracy against the exact oracle and bitwise identity across every mode."""
 
 import functools
+from fractions import Fraction
 
 import datasets
 import jax
@@ -123,25 +124,55 @@ def _digit_value(row):
 
 
 @pytest.mark.parametrize("backend", ["jax", "tf"])
-def test_the_exact_paths_integer_steps_match_python_integers(backend):
-    """normalise carries without changing the value; divide by two divisors in one loop
-    gives floor(v / (a b)) and whether a remainder is left (moments_core/_exact.py)."""
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_exact_paths_integer_steps_match_python_integers(backend, dtype):
+    """normalise carries without changing the value; magnitudes gives |value| and its
+    sign; to_float rounds num / (a b) * 2**offset once, as the oracle rounds the
+    fraction (moments_core/_exact.py)."""
+    from moments_core._formats import FORMATS
+    from tf_stable_moments._oracle import round_rational
+
+    fmt = FORMATS[dtype]
+    np_dtype = jnp.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     rng = np.random.default_rng(3)
     raw = rng.integers(-(2**62), 2**62, (12, 9))
     raw[:4, :-1] = 0xFFFF  # carries that ripple through every digit
     raw[:4, 0] = [1, 0x10000, -1, 0]
-    num = rng.integers(0, 2**16, (12, 9))
-    num[:, -1] = rng.integers(0, 3, 12)
-    a, b = rng.integers(1, 2**46, 12), rng.integers(1, 2**46, 12)
+    num = rng.integers(0, 2**16, (16, 9))
+    num[:, -1] = rng.integers(0, 3, 16)
+    num[8:10, :] = 0  # zero
+    num[10, :-1], num[10, -1] = 0, 1  # a power of two
+    num[11, :] = [0] * 8 + [0]
+    num[11, 0] = 1  # one
+    num[12:, :4] = 0  # short numbers
+    a, b = rng.integers(1, 2**46, 16), rng.integers(1, 2**46, 16)
     a[:3], b[:3] = 1, [1, 2, 3]
+    a[12:], b[12:] = [3, 5, 7, 1], [1, 1, 9, 1]
+    num[15] = [0, 0, 0, 0, 0, 1, 0x8000, 0, 0]  # a tie after division by 1
+    num[15, 0] = 0
+    offset = rng.integers(-300, 100, 16) if fmt.precision == 53 else rng.integers(-160, -40, 16)
+    negative = rng.integers(0, 2, 16).astype(bool)
     ops, wrap = (jax_ops, jnp.asarray) if backend == "jax" else (tf_ops.PLAIN, tf.constant)
     with jax.enable_x64(backend == "jax"):
         norm = np.asarray(_exact.normalise(ops, wrap(raw)))
-        q, inexact = _exact.divide(ops, wrap(num), [wrap(a), wrap(b)])
-        q, inexact = np.asarray(q), np.asarray(inexact)
+        mag, neg = (np.asarray(v) for v in _exact.magnitudes(ops, wrap(raw)))
+        out = _exact.to_float(ops, wrap(num), [wrap(a), wrap(b)], wrap(offset), fmt, wrap(negative))
+        out = np.asarray(out)
     for i in range(12):
-        assert _digit_value(norm[i]) == _digit_value(raw[i])
+        value = _digit_value(raw[i])
+        assert _digit_value(norm[i]) == value
         assert ((norm[i, :-1] >= 0) & (norm[i, :-1] < 2**16)).all()
-        v, d = _digit_value(num[i]), int(a[i]) * int(b[i])
-        assert _digit_value(q[i]) == v // d
-        assert bool(inexact[i]) == (v % d != 0)
+        assert _digit_value(mag[i]) == abs(value) and bool(neg[i]) == (value < 0)
+        assert ((mag[i, :-1] >= 0) & (mag[i, :-1] < 2**16)).all() and mag[i, -1] >= 0
+    width = {16: np.uint16, 32: np.uint32, 64: np.uint64}[fmt.bits]
+    signed = {16: np.int16, 32: np.int32, 64: np.int64}[fmt.bits]
+    for i in range(16):
+        exact = Fraction(_digit_value(num[i]), int(a[i]) * int(b[i])) * Fraction(2) ** int(
+            offset[i]
+        )
+        want = round_rational(-exact if negative[i] else exact, np_dtype)
+        want = np.asarray(want, np_dtype).view(width)
+        got = np.asarray(out[i]).astype(signed).view(width)
+        if exact == 0:  # +0: the sign is set only on a nonzero result
+            want = np.asarray(0, width)
+        assert got == want, (i, exact)
