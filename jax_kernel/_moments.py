@@ -22,6 +22,7 @@ TF_STABLE_MOMENTS_NATIVE between calls takes effect on the next call of `moments
 """
 
 import functools
+import math
 import os
 
 import jax
@@ -67,8 +68,8 @@ def _layout(x, axes):
     """x as a 2-D array whose slices run along axis 0 (leading axes) or 1."""
     ndim = x.ndim
     kept = [a for a in range(ndim) if a not in axes]
-    n = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
-    rest = int(np.prod([x.shape[a] for a in kept], dtype=np.int64))
+    n = math.prod(x.shape[a] for a in axes)
+    rest = math.prod(x.shape[a] for a in kept)
     if axes == tuple(range(len(axes))):
         return x.reshape(n, rest), 0
     if axes != tuple(range(ndim - len(axes), ndim)):
@@ -201,7 +202,7 @@ _stats_p.multiple_results = True
 @_stats_p.def_abstract_eval
 def _stats_abstract(x, *, axes, ddof, lo, exact_only, native, x64):
     work = _compute_dtype(x.dtype)
-    kept = int(np.prod([d for a, d in enumerate(x.shape) if a not in axes], dtype=np.int64))
+    kept = math.prod(d for a, d in enumerate(x.shape) if a not in axes)  # symbolic dims too
     vector = jax.core.ShapedArray((kept,), work)
     k = 2 if jnp.iscomplexobj(x) else 1
     return [vector] * (k + 1) + [jax.core.ShapedArray((), np.int32)] + [vector] * (k * lo)
@@ -229,7 +230,7 @@ def _stats_lowering(native_here):
             ddof=ddof,
             lo=lo,
             exact_only=exact_only,
-            native=native and native_here,
+            native=native and native_here and not _native.for_export(ctx),
         )
         # Traced with the 64-bit mode of the bind (a caller's enable_x64 has ended when
         # XLA lowers), so that the outputs have the dtypes of `_stats_abstract`.
@@ -325,7 +326,7 @@ def _moments_real_jvp(axes, ddof, exact_only, native, primals, tangents):
     mh, var = _moments_real(x, axes, ddof, exact_only, native)
     xs, mhs, vs = lax.stop_gradient(x), lax.stop_gradient(mh), lax.stop_gradient(var)
     ml = _mean_lo_parts(xs, axes, ddof, [mhs.reshape(-1)], vs.reshape(-1))[0].reshape(mh.shape)
-    n = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    n = math.prod(x.shape[a] for a in axes)
     r = residuals(x, jnp.expand_dims(mh, axes), jnp.expand_dims(ml, axes), axes)
     # A slice with NaN or Inf gets a zero variance gradient: its NaN residuals must
     # not reach other slices through the transposed product (0 * NaN).

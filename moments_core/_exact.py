@@ -176,7 +176,7 @@ def normalise(ops, d):
 
 def magnitudes(ops, d):
     """(|value| digits, negative) of digits [rows, L] (|digit| < 2**62), normalised: the
-    value and its negation carried in one pass, each row's non-negative one kept."""
+    value and its negation carried together (one loop), each row's non-negative one kept."""
     rows = ops.shape(d, 0)
     both = normalise(ops, ops.concat([d, -d], 0))
     plus, minus = both[:rows], both[rows:]

@@ -627,3 +627,18 @@ def test_the_package_modules_import_each_other_without_a_cycle():
 
     cycles = sorted(m for m in graph if m not in packages and m in reach(m))
     assert cycles == [], cycles
+
+
+def test_keep_dims_is_the_tf1_alias_of_keepdims_with_a_deprecation_warning():
+    """tf.compat.v1.nn.moments code passes keep_dims= (issue #26 item 6)."""
+    x = tf.constant(np.random.default_rng(6).normal(1e4, 1, (8, 3, 2)).astype(np.float32))
+    want = tf_stable_moments.moments(x, [0, 2], keepdims=True)
+    with pytest.warns(DeprecationWarning, match=r"keep_dims is deprecated, use keepdims"):
+        got = tf_stable_moments.moments(x, [0, 2], keep_dims=True)
+    for g, w in zip(got, want):
+        assert g.shape == (1, 3, 1)
+        np.testing.assert_array_equal(g.numpy().view(np.uint32), w.numpy().view(np.uint32))
+    with pytest.warns(DeprecationWarning):
+        assert tf_stable_moments.moments(x, [0], keep_dims=False)[0].shape == (3, 2)
+    with pytest.raises(ValueError, match=r"cannot specify both keepdims and keep_dims.*"):
+        tf_stable_moments.moments(x, [0], keepdims=True, keep_dims=True)

@@ -27,6 +27,7 @@ _LAZY = {
     "accumulate_state": "_state",
     "merge_states": "_state",
     "moments_state": "_state",
+    "portable": "_native",
     "state_moments": "_state",
 }
 
@@ -41,6 +42,7 @@ __all__ = [
     "merge_states",
     "moments",
     "moments_state",
+    "portable",
     "reduce_std",
     "reduce_variance",
     "stabilize",

@@ -622,7 +622,22 @@ def _eager_native(x, axes, keepdims, ddof):
 
 
 @tf.autograph.experimental.do_not_convert
-def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
+def _keepdims(keepdims, keep_dims):
+    """keepdims from the TF2 argument and the TF1 alias (tf.compat.v1.nn.moments)."""
+    if keep_dims is None:
+        return bool(keepdims)
+    if keepdims is not None:
+        raise ValueError(
+            f"moments: cannot specify both keepdims and keep_dims (deprecated); "
+            f"got keepdims={keepdims!r}, keep_dims={keep_dims!r}"
+        )
+    warnings.warn(
+        "moments: keep_dims is deprecated, use keepdims instead", DeprecationWarning, stacklevel=3
+    )
+    return bool(keep_dims)
+
+
+def moments(x, axes, shift=None, keepdims=None, name=None, *, ddof=0, keep_dims=None):
     """Mean and variance of `x` over `axes`, correctly rounded: a drop-in for tf.nn.moments.
 
     The variance is sum((x - mean)**2) / (n - ddof) over the n reduced
@@ -651,9 +666,11 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
       shift: accepted for compatibility with tf.nn.moments and ignored, as in
         tf.nn.moments: the kernel chooses its own shift (the first element of
         each slice), and its result does not depend on any shift.
-      keepdims: keep reduced axes with length 1.
+      keepdims: keep reduced axes with length 1 (None: False).
       name: name scope of the operations.
       ddof: delta degrees of freedom (keyword only): divide by n - ddof.
+      keep_dims: deprecated alias of keepdims (keyword only), as
+        tf.compat.v1.nn.moments takes it: a DeprecationWarning; both given is an error.
 
     Returns:
       (mean, variance), Tensors of the dtype of x (variance real for complex x).
@@ -675,6 +692,7 @@ def moments(x, axes, shift=None, keepdims=False, name=None, *, ddof=0):
     0.0
     """
     del shift  # documented: ignored, as in tf.nn.moments
+    keepdims = _keepdims(keepdims, keep_dims)
     if tf.executing_eagerly():  # one op call where nothing needs the gradient
         fast = _eager_native(x, axes, keepdims, ddof)
         if fast is not None:

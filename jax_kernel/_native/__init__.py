@@ -186,6 +186,13 @@ def mean_lo_call(x, mean, var, ddof, fmt):
         )
 
 
+def for_export(ctx):
+    """Whether a lowering is for `jax.export` (and so jax2tf, Keras-JAX `model.export`):
+    an artifact must hold only standard operations, which load without this package
+    (JAX refuses to serialise custom calls without a compatibility guarantee)."""
+    return bool(getattr(ctx.module_context.lowering_parameters, "for_export", False))
+
+
 def concrete_platform(x):
     """The platform of a concrete array's devices ("cpu", "gpu", "tpu"): what the
     primitives lowered per platform (`_stall_p`, `jax_kernel._moments._stats_p`) run on
@@ -229,8 +236,14 @@ def _stall_impl(moving_mean, mean, variance, **params):
     return _stall_ffi(moving_mean, mean, variance, **params)
 
 
+def _stall_cpu(ctx, *args, **params):
+    """The CPU's lowering: the FFI call, except in an exported artifact (pass-through)."""
+    fn = (lambda m, *_, **__: m) if for_export(ctx) else _stall_ffi
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args, **params)
+
+
 mlir.register_lowering(_stall_p, mlir.lower_fun(lambda m, *_, **__: m, multiple_results=False))
-mlir.register_lowering(_stall_p, mlir.lower_fun(_stall_ffi, multiple_results=False), platform="cpu")
+mlir.register_lowering(_stall_p, _stall_cpu, platform="cpu")
 
 
 def _stall_batch(args, dims, **params):

@@ -55,9 +55,58 @@ def switched_off():
             os.environ["TF_STABLE_MOMENTS_NATIVE"] = old
 
 
+_portable = threading.local()
+
+
+@contextlib.contextmanager
+def portable(enabled=True):
+    """Whether functions traced in this block (in this thread) hold standard TensorFlow
+    operations only, so that an artifact saved from them loads where this package is not
+    installed.
+
+    By default, functions traced while `tf.saved_model.save` saves (Keras `model.export`
+    included: it traces its endpoints there) are portable and all others use the native
+    ops.  Portable means: every call takes the XLA kernel written in plain TensorFlow
+    operations instead of the native ops (`StableMoments`, `StableCentre`, ..., and the
+    native custom calls under ``jit_compile``), and the layers skip the stall check.
+    The statistics are certified, so they have the same bits either way.
+
+    portable(): portable tracing in the block, e.g. for a function traced before it is
+      saved (one traced earlier keeps what it holds: trace it anew in the block).
+    portable(False): the native ops even while saving, for a SavedModel that will be
+      loaded only where this package is installed (its native kernel serves it faster).
+
+    >>> import tensorflow as tf, tf_stable_moments as tsm
+    >>> f = tf.function(lambda x: tsm.moments(x, [0]))
+    >>> with tsm.portable():
+    ...     graph = f.get_concrete_function(tf.TensorSpec([4, 3])).graph
+    >>> any(op.type.startswith("Stable") for op in graph.get_operations())
+    False
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"portable: enabled must be a bool; got {enabled!r}")
+    stack = _portable.__dict__.setdefault("stack", [])
+    stack.append(enabled)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def portable_now():
+    """Whether functions traced now must hold standard operations only: the innermost
+    `portable` block says, else whether `tf.saved_model.save` is tracing."""
+    stack = getattr(_portable, "stack", None)
+    if stack:
+        return stack[-1]
+    from tensorflow.python.saved_model import save_context
+
+    return save_context.in_save_context()
+
+
 def op():
     """The StableMoments op function, or None (disabled, or not available: warned once)."""
-    if not enabled():
+    if not enabled() or portable_now():
         return None
     with _lock:
         if not _state["tried"]:
