@@ -133,7 +133,12 @@ def segment_sum(data, ids, num):
 
 
 def top_k(x, k):
-    return lax.top_k(x, k)
+    """(values, indices) of the k largest of a 1-D x, largest first, by one sort of
+    (-x, position).  Not lax.top_k: it lowers to a StableHLO composite that TensorFlow's
+    XlaCallModule (TF 2.21) cannot read, so Keras-JAX `model.export` artifacts failed to
+    load."""
+    keys, idx = lax.sort((-x, lax.iota(np.int32, x.shape[0])), num_keys=1)
+    return -keys[:k], idx[:k]
 
 
 def while_loop(cond, body, state):

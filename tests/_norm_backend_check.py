@@ -99,7 +99,21 @@ def eager_results(inputs):
     for name, (cls, x, kwargs) in variants.items():
         out[name] = _numpy(cls(**kwargs)(x))
     out.update(normalization_results())
+    out.update(functional_moments(inputs["x_ln3"]))
     return out
+
+
+def functional_moments(x):
+    """keras_moments on a KerasTensor: a functional model built with it (as with
+    keras.ops.moments), called on x."""
+    from tf_stable_moments import keras_moments
+
+    inputs = keras.Input(x.shape[1:])
+    mean, var = keras_moments(inputs, [1], keepdims=True)
+    assert tuple(mean.shape) == (None, 1, x.shape[2]) and mean.dtype == "float32"
+    model = keras.Model(inputs, [mean, var])
+    mean, var = model(x)
+    return {"functional_mean": _numpy(mean), "functional_var": _numpy(var)}
 
 
 def normalization_data():

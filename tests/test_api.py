@@ -183,7 +183,7 @@ def test_public_surface_is_thin():
         "StableNormalization",
     }
     functions = {"keras_moments", "reduce_std", "reduce_variance", "weighted_moments"}
-    everything = {"moments", "stabilize"} | state | layers | functions
+    everything = {"moments", "portable", "stabilize"} | state | layers | functions
     assert set(tf_stable_moments.__all__) == everything
     assert set(jax_kernel.__all__) == {"moments", "mean", "var", "std"} | state
     for package in (tf_stable_moments, jax_kernel):  # modules are private: nothing else shows

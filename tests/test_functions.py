@@ -293,6 +293,25 @@ def test_keras_moments_equal_tf_and_jax_and_clip_float16_as_keras():
         _keras_moments._jax_moments(x, [0], False, True)
 
 
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_keras_moments_on_a_keras_tensor_builds_a_functional_model(dtype, keepdims):
+    """A KerasTensor gives KerasTensors of the output shape and dtype (issue #26 item 5),
+    and the model's outputs are the oracle's bits (the JAX backend: test_norm_layers)."""
+    x = _offset_data()[:, :6].reshape(-1, 2, 3)
+    x = x if dtype == "float32" else np.round(x).astype(np.int32)
+    inputs = keras.Input(x.shape[1:], dtype=dtype)
+    mean, var = tf_stable_moments.keras_moments(inputs, [0, 1], keepdims=keepdims)
+    want_shape = (1, 1, 3) if keepdims else (3,)
+    for t in (mean, var):
+        assert isinstance(t, keras.KerasTensor)
+        assert tuple(t.shape) == want_shape and t.dtype == "float32"
+    got = keras.Model(inputs, [mean, var])(x)
+    ref_mean, ref_var = oracle(x.astype(np.float32).reshape(-1, 3), (0,))
+    np.testing.assert_array_equal(bits(np.ravel(got[0])), bits(ref_mean))
+    np.testing.assert_array_equal(bits(np.ravel(got[1])), bits(ref_var))
+
+
 # ------------------------------------------------------------------ bad inputs
 BAD_AXES = {"float": 1.5, "string": "1", "bool_in_list": [True], "nested": [[0, 1]]}
 CALLS = {

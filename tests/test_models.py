@@ -188,13 +188,21 @@ def test_stabilize_rejects_what_it_cannot_swap():
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             self.bn = keras.layers.BatchNormalization()
+            self.blocks = {"ln": [keras.layers.Dense(3), keras.layers.LayerNormalization()]}
 
         def call(self, x):
-            return self.bn(x)
+            return self.blocks["ln"][1](self.blocks["ln"][0](self.bn(x)))
 
     with pytest.raises(TypeError, match=r"model must be a keras.Model .*received model=.*Dense"):
         tf_stable_moments.stabilize(keras.layers.Dense(2))
-    with pytest.raises(ValueError, match="model='subclassed' is a subclassed model of class"):
+    # The error says where the layers are and what to construct instead.
+    want = (
+        r"model='subclassed' is a subclassed model of class Subclassed: .* layers: self\.bn "
+        r"\(BatchNormalization\), self\.blocks\['ln'\]\[1\] \(LayerNormalization\)\.  In its "
+        r"__init__, construct tf_stable_moments\.StableBatchNormalization / "
+        r"StableLayerNormalization .*new_layer\.set_weights\(old_layer\.get_weights\(\)\)"
+    )
+    with pytest.raises(ValueError, match=want):
         tf_stable_moments.stabilize(Subclassed(name="subclassed"))
     inputs = keras.Input((3,))
     outer = keras.Model(inputs, Subclassed(name="inner")(inputs))

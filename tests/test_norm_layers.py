@@ -243,6 +243,8 @@ def backend_outputs(tmp_path_factory):
 
 
 BITWISE = (
+    "functional_mean",
+    "functional_var",
     "ln",
     "gn",
     "ln_axes_12",

@@ -63,6 +63,36 @@ def _jax_moments(x, axes, keepdims, synchronized):
     return jax_kernel.moments(x, axes, keepdims)
 
 
+def _reduced_shape(shape, axes, keepdims):
+    """The shape of the moments of an input of `shape` (None for unknown dimensions)."""
+    rank = len(shape)
+    axes = [axes] if isinstance(axes, int) else list(axes)
+    reduced = {a % rank for a in axes} if rank else set()
+    if keepdims:
+        return tuple(1 if i in reduced else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in reduced)
+
+
+class _Moments(keras.Operation):
+    """keras_moments as a Keras operation: on a KerasTensor (a functional model being
+    built) it records the call and returns KerasTensors of the output shape and dtype,
+    as keras.ops.moments does."""
+
+    def __init__(self, axes, keepdims=False, synchronized=False, *, name=None):
+        super().__init__(name=name)
+        self.axes, self.keepdims, self.synchronized = axes, keepdims, synchronized
+
+    def call(self, x):
+        return _moments(x, self.axes, self.keepdims, self.synchronized)
+
+    def compute_output_spec(self, x):
+        dtype = keras.backend.standardize_dtype(x.dtype)
+        if "int" in dtype or dtype == "bool":
+            dtype = keras.config.floatx()
+        shape = _reduced_shape(x.shape, self.axes, self.keepdims)
+        return keras.KerasTensor(shape, dtype=dtype), keras.KerasTensor(shape, dtype=dtype)
+
+
 def keras_moments(x, axes, keepdims=False, synchronized=False):
     """Correctly rounded mean and variance: a drop-in for keras.ops.moments.
 
@@ -76,8 +106,15 @@ def keras_moments(x, axes, keepdims=False, synchronized=False):
     Returns:
       (mean, variance) in x's dtype; var = (1/n) sum (x - mean)**2, each the
       exact value rounded once (float16: an overflowing variance is the float16
-      maximum, as in keras).
+      maximum, as in keras).  On a KerasTensor: KerasTensors of that shape and dtype
+      (the call is recorded in the functional model being built).
     """
+    if isinstance(x, keras.KerasTensor):
+        return _Moments(axes, keepdims, synchronized).symbolic_call(x)
+    return _moments(x, axes, keepdims, synchronized)
+
+
+def _moments(x, axes, keepdims, synchronized):
     from keras import ops
 
     backend = keras.backend.backend()

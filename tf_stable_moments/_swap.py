@@ -42,6 +42,32 @@ def _copy_weights(old, new):
         target.assign(keras.ops.convert_to_numpy(source))
 
 
+def _normalization_paths(model, replacements, limit=6):
+    """[(path, class name)] of the replaceable layers a subclassed model holds: attributes,
+    lists, tuples and dicts of attributes, nested layers; as `self.a.b[0]['k']`."""
+    found, seen = [], set()
+
+    def walk(value, path, depth):
+        if len(found) >= limit or depth > 6 or id(value) in seen:
+            return
+        seen.add(id(value))
+        if type(value) in replacements:
+            found.append((path, type(value).__name__))
+        elif isinstance(value, keras.layers.Layer):
+            for name, attr in vars(value).items():
+                if not name.startswith("_"):
+                    walk(attr, f"{path}.{name}", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]", depth + 1)
+
+    walk(model, "self", 0)
+    return found
+
+
 def stabilize(model, *, compensated_moving_stats=False):
     """A copy of `model` with every Keras normalization layer replaced by this package's.
 
@@ -86,10 +112,17 @@ def stabilize(model, *, compensated_moving_stats=False):
 
     def check_clonable(m, where):
         if not _clonable(m):
+            found = _normalization_paths(m, replacements)
+            where_found = ", ".join(f"{path} ({kind})" for path, kind in found[:6]) or "none"
+            kinds = {kind for _, kind in found}
+            names = [name for cls, name in _REPLACEMENTS if cls.__name__ in kinds]
             raise ValueError(
                 f"model must be a Sequential or functional keras.Model; {where} is a subclassed "
-                f"model of class {type(m).__name__}: its layers cannot be replaced by cloning "
-                "(construct it with tf_stable_moments.StableBatchNormalization instead)"
+                f"model of class {type(m).__name__}: its layers cannot be replaced by cloning. "
+                f"Its keras normalization layers: {where_found}.  In its __init__, construct "
+                f"tf_stable_moments.{' / '.join(names) or 'StableBatchNormalization'} with the "
+                "same arguments instead; to keep trained weights, build the new model and call "
+                "new_layer.set_weights(old_layer.get_weights()) for each of them"
             )
 
     check_clonable(model, f"model={model.name!r}")
