@@ -146,3 +146,30 @@ def test_jax_stall_check_lowered_for_a_device_holds_no_native_call(platforms):
     stacked = jnp.stack([vectors[0], vectors[0] + 64])
     out = jax.vmap(lambda m: check(m, *vectors[1:]))(stacked)
     np.testing.assert_array_equal(bits(np.asarray(out)), bits(np.asarray(stacked)))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_jax_stall_check_without_the_native_library_is_chosen_per_platform(monkeypatch, platform):
+    """Without the native library the JAX layers check on the CPU with a host callback,
+    chosen per lowering platform (not by jax.default_backend()): none on a device."""
+    from tf_stable_moments import _advice
+
+    monkeypatch.setattr(jax_native, "available", lambda: False)
+
+    class Layer:
+        name, momentum, epsilon = "bn", 0.999, 1e-3
+
+    # Channel 0 stalls: the batch mean is 20 std away, the update below half an ulp.
+    values = [jnp.asarray(v, jnp.float32) for v in ([1e6, 0.0], [1e6 + 20.0, 0.0], [1.0, 1.0])]
+
+    def check(*v):
+        return _advice._check_jax(Layer(), *v)
+
+    device = jax.jit(check).trace(*values).lower(lowering_platforms=(platform,)).as_text()
+    assert "callback" not in device
+    cpu = jax.jit(check).trace(*values).lower(lowering_platforms=("cpu",)).as_text()
+    assert "callback" in cpu
+    with pytest.warns(UserWarning, match=r"StableBatchNormalization 'bn': .*\(channel 0:"):
+        out = jax.block_until_ready(jax.jit(check)(*values))
+        jax.effects_barrier()
+    np.testing.assert_array_equal(bits(np.asarray(out)), bits(np.asarray(values[0])))

@@ -153,8 +153,6 @@ def _check_jax(layer, moving_mean, mean, variance):
         return _native.stall_call(
             moving_mean, mean, variance, layer.momentum, layer.epsilon, THRESHOLD, _token(layer)
         )
-    if jax.default_backend() != "cpu":  # a compiled cond would sync device and host
-        return moving_mean
     magnitude = jnp.abs(moving_mean)
     ulp = jnp.nextafter(magnitude, jnp.inf) - magnitude
     distance = jnp.abs(mean - moving_mean)
@@ -164,8 +162,13 @@ def _check_jax(layer, moving_mean, mean, variance):
     def warn(*arrays):
         _report(layer, *(np.asarray(a) for a in arrays))
 
-    jax.lax.cond(jnp.any(stalled), lambda: jax.debug.callback(warn, *values), lambda: None)
-    return moving_mean
+    def check():
+        jax.lax.cond(jnp.any(stalled), lambda: jax.debug.callback(warn, *values), lambda: None)
+        return moving_mean
+
+    # The check on the CPU only, chosen per lowering platform as the native check is:
+    # on a device a compiled cond around a host callback would sync device and host.
+    return jax.lax.platform_dependent(cpu=check, default=lambda: moving_mean)
 
 
 def _check_tf(layer, moving_mean, mean, variance):
