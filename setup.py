@@ -40,6 +40,7 @@ setup(
         "tf_stable_moments._native",
         "jax_kernel",
         "jax_kernel._native",
+        "jax_kernel.flax",
         "moments_core",
         "moments_core.native",
     ],
@@ -53,7 +54,15 @@ setup(
     python_requires=">=3.10",
     install_requires=["tensorflow>=2.16", "jax>=0.4.30", "jaxlib>=0.4.30", "numpy>=1.26"],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "matplotlib>=3.8"],
+        # flax 0.12.8 is the newest that installs beside jax 0.10.2 without upgrading jax.
+        "flax": ["flax>=0.10,<0.13"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3",
+            "hypothesis>=6",
+            "matplotlib>=3.8",
+            "flax>=0.10,<0.13",
+        ],
         "bench": ["matplotlib>=3.8"],
     },
 )

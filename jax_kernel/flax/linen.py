@@ -1,0 +1,229 @@
+"""flax.linen BatchNorm, LayerNorm and GroupNorm with correctly rounded statistics.
+
+Each class subclasses Flax's and keeps its fields, defaults, variable collections
+and names (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``, ``var``), so
+an existing checkpoint loads and a model changes by one import:
+
+    from jax_kernel.flax import linen as stable
+    norm = stable.BatchNorm(use_running_average=False, momentum=0.9)
+
+What differs is the arithmetic.  Flax computes var = E[x**2] - E[x]**2 in float32
+(``use_fast_variance=True``, the default) and y = (x - mean) * rsqrt(var + eps): on
+N(1e6, 1) data the outputs, of size 1, are off by hundreds.  Here
+
+    mean, mean_lo, var = the kernel's statistics of the (selected) elements
+    r = (x - mean) - mean_lo                       (mean + mean_lo: the mean to ~2p bits)
+    y = r * (rsqrt(var + epsilon) * scale) + bias
+
+in the dtype Flax uses for the statistics (at least float32); mean and var are the
+exact values rounded once, the same bits on every platform and as
+``jax_kernel.moments`` and ``tf_stable_moments.moments``.  ``use_fast_variance`` is
+accepted and changes nothing (there is one result: the correctly rounded one).
+Gradients are the analytic ones of the same formulas (a custom JVP: d mean = mean(t),
+d var = 2 mean(r (t - d mean)) over the selected elements), so higher orders work.
+
+Not yet: ``axis_name`` (cross-device statistics) raises NotImplementedError outside
+initialization; ``force_float32_reductions=False`` is treated as True (statistics of
+half-precision inputs in float32).
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import dtypes as _dtypes
+from flax.linen import normalization as _flax_norm
+from flax.linen.module import compact, merge_param
+
+from jax_kernel import _functions
+from jax_kernel import _moments as _m
+
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
+
+
+def _axes(ndim, axes):
+    """Sorted non-negative axes from an int or a sequence (negative counted from the end)."""
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+def _expand(v, axes):
+    return jnp.expand_dims(v, axes)
+
+
+def _stats(x, mask, axes):
+    """(mean, mean_lo, var) of x over axes (of the elements mask selects)."""
+    if mask is None:
+        return _m.stats(x, axes, 0)
+    return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _centre(x, mask, axes):
+    """(r, mean, var): r = (x - mean) - mean_lo for every element, mean and var those of
+    the selected ones (all with mask None), correctly rounded."""
+    mean, mean_lo, var = _stats(x, mask, axes)
+    return (x - _expand(mean, axes)) - _expand(mean_lo, axes), mean, var
+
+
+@_centre.defjvp
+def _centre_jvp(axes, primals, tangents):
+    x, mask = primals
+    t = tangents[0]
+    r, mean, var = out = _centre(x, mask, axes)
+    if mask is None:
+        n = math.prod(x.shape[a] for a in axes)
+        t_mean = jnp.sum(t, axes) / n
+        t_r = t - _expand(t_mean, axes)
+        t_var = 2 * jnp.sum(r * t_r, axes) / n
+    else:
+        w = jnp.broadcast_to(mask, x.shape).astype(x.dtype)
+        k = jnp.maximum(jnp.sum(w, axes), 1)
+        t_mean = jnp.sum(w * t, axes) / k
+        t_r = t - _expand(t_mean, axes)
+        t_var = 2 * jnp.sum(w * r * t_r, axes) / k
+    return out, (t_r, t_mean, t_var)
+
+
+def _work(x, dtype):
+    """The statistics dtype of Flax: x's (or `dtype`), at least float32."""
+    return jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
+
+
+def _centred(x, mask, axes, dtype):
+    x = jnp.asarray(x, _work(x, dtype))
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+    return _centre(x, mask, axes)
+
+
+def _scale_shift(mdl, x, r, var, feature_axes):
+    """y = r * (rsqrt(var + epsilon) * scale) + bias, with Flax's parameters and result
+    dtype (var already expanded to broadcast against r)."""
+    feature_shape = [1] * x.ndim
+    reduced = []
+    for a in feature_axes:
+        feature_shape[a] = x.shape[a]
+        reduced.append(x.shape[a])
+    mul = jax.lax.rsqrt(var + mdl.epsilon)
+    args = [x]
+    if mdl.use_scale:
+        scale = mdl.param("scale", mdl.scale_init, reduced, mdl.param_dtype)
+        scale = scale.reshape(feature_shape)
+        mul = mul * scale
+        args.append(scale)
+    y = r * mul
+    if mdl.use_bias:
+        bias = mdl.param("bias", mdl.bias_init, reduced, mdl.param_dtype)
+        bias = bias.reshape(feature_shape)
+        y = y + bias
+        args.append(bias)
+    return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=mdl.dtype))
+
+
+def _no_axis_name(mdl):
+    if mdl.axis_name is not None and not mdl.is_initializing():
+        raise NotImplementedError(
+            f"{type(mdl).__name__}: axis_name (cross-device statistics) is not supported "
+            f"yet by jax_kernel.flax; got axis_name={mdl.axis_name!r}"
+        )
+
+
+def _canonical(ndim, axes):
+    return _flax_norm._canonicalize_axes(ndim, axes)
+
+
+class BatchNorm(nn.BatchNorm):
+    """flax.linen.BatchNorm with correctly rounded batch statistics (module docstring)."""
+
+    @compact
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        use_running_average = merge_param(
+            "use_running_average", self.use_running_average, use_running_average
+        )
+        feature_axes = _canonical(x.ndim, self.axis)
+        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        feature_shape = [x.shape[a] for a in feature_axes]
+        ra_mean = self.variable("batch_stats", "mean", jnp.zeros, feature_shape, jnp.float32)
+        ra_var = self.variable("batch_stats", "var", jnp.ones, feature_shape, jnp.float32)
+        work = _work(x, self.dtype)
+        if use_running_average:
+            mean = _expand(ra_mean.value.reshape(-1), reduction_axes).reshape(
+                [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
+            )
+            var = jnp.reshape(ra_var.value, mean.shape)
+            r = jnp.asarray(x, work) - mean
+        else:
+            _no_axis_name(self)
+            r, mean, var = _centred(x, mask, reduction_axes, self.dtype)
+            if not self.is_initializing():
+                ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+                ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+            var = _expand(var, reduction_axes)
+        return _scale_shift(self, x, r, var, feature_axes)
+
+
+class LayerNorm(nn.LayerNorm):
+    """flax.linen.LayerNorm with correctly rounded statistics (module docstring)."""
+
+    @compact
+    def __call__(self, x, *, mask=None):
+        _no_axis_name(self)
+        reduction_axes = _canonical(x.ndim, self.reduction_axes)
+        r, _, var = _centred(x, mask, reduction_axes, self.dtype)
+        feature_axes = _canonical(x.ndim, self.feature_axes)
+        return _scale_shift(self, x, r, _expand(var, reduction_axes), feature_axes)
+
+
+class GroupNorm(nn.GroupNorm):
+    """flax.linen.GroupNorm with correctly rounded statistics (module docstring)."""
+
+    @compact
+    def __call__(self, x, *, mask=None):
+        _no_axis_name(self)
+        if self.reduction_axes is not None:
+            reduction_axes = self.reduction_axes
+        else:
+            reduction_axes = list(range(1, x.ndim - 1)) + [-1]
+        reduction_axes = _canonical(x.ndim, reduction_axes)
+        if reduction_axes[-1] != x.ndim - 1:
+            raise ValueError(
+                "GroupNorm: the reduction axes must include the last (feature) axis; got "
+                f"reduction_axes={self.reduction_axes!r} for an input of rank {x.ndim}"
+            )
+        if (self.num_groups is None) == (self.group_size is None):
+            raise ValueError(
+                "GroupNorm: give exactly one of num_groups and group_size (to give "
+                "group_size, pass num_groups=None: its default is 32); got "
+                f"num_groups={self.num_groups!r}, group_size={self.group_size!r}"
+            )
+        channels = x.shape[-1]
+        if self.group_size is not None:
+            if channels % self.group_size:
+                raise ValueError(
+                    f"GroupNorm: the channels ({channels}) are not a multiple of "
+                    f"group_size={self.group_size!r}"
+                )
+            groups = channels // self.group_size
+        else:
+            groups = self.num_groups
+        if groups <= 0 or channels % groups:
+            raise ValueError(
+                f"GroupNorm: num_groups={groups!r} does not divide the {channels} channels"
+            )
+        size = channels // groups
+        shape = x.shape[:-1] + (groups, size)
+        if mask is not None:
+            mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
+        axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
+        r, _, var = _centred(x.reshape(shape), mask, axes, self.dtype)
+        var = jnp.repeat(_expand(var, axes), size, axis=-1)  # [.., groups, size]
+        return _scale_shift(
+            self,
+            x,
+            r.reshape(x.shape),
+            var.reshape([x.shape[a] if a not in reduction_axes[:-1] else 1 for a in range(x.ndim)]),
+            (x.ndim - 1,),
+        )

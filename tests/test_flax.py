@@ -1,0 +1,149 @@
+"""jax_kernel.flax.linen: Flax's normalization modules with correctly rounded statistics
+(issue #25 items 1 and 5, in part).
+
+The classes keep Flax's fields, variable collections and names (a Flax checkpoint
+applies to them); their statistics are the oracle's bits (and those of
+`jax_kernel.moments`); their outputs on offset data are accurate where Flax's are not;
+on benign data they agree with Flax's, gradients included.
+"""
+
+import flax.linen as flax_linen  # the [flax] extra, a test dependency
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from datasets import oracle
+from modes import bits
+
+import jax_kernel
+from jax_kernel.flax import linen as stable
+
+EPS = 1e-5
+# name -> (our class, Flax's, keyword arguments, input shape, axes of the statistics of
+# the input as laid out by `grouped`)
+CASES = {
+    "BatchNorm": (stable.BatchNorm, flax_linen.BatchNorm, {"use_running_average": False}, (64, 16)),
+    "BatchNorm_conv": (
+        stable.BatchNorm,
+        flax_linen.BatchNorm,
+        {"use_running_average": False},
+        (8, 4, 4, 6),
+    ),
+    "LayerNorm": (stable.LayerNorm, flax_linen.LayerNorm, {}, (16, 64)),
+    "LayerNorm_axes_12": (
+        stable.LayerNorm,
+        flax_linen.LayerNorm,
+        {"reduction_axes": (1, 2), "feature_axes": (2,)},
+        (4, 8, 16),
+    ),
+    "GroupNorm": (stable.GroupNorm, flax_linen.GroupNorm, {"num_groups": 4}, (4, 8, 16)),
+    "GroupNorm_group_size": (
+        stable.GroupNorm,
+        flax_linen.GroupNorm,
+        {"num_groups": None, "group_size": 2},
+        (4, 3, 6),
+    ),
+}
+
+
+def reference(name, x):
+    """float64 (x - mean) / sqrt(var + EPS) of each case's statistics."""
+    x = x.astype(np.float64)
+    if name.startswith("BatchNorm"):
+        axes = tuple(range(x.ndim - 1))
+    elif name == "LayerNorm":
+        axes = (1,)
+    elif name == "LayerNorm_axes_12":
+        axes = (1, 2)
+    else:
+        kwargs = CASES[name][2]
+        groups = kwargs["num_groups"] or x.shape[-1] // kwargs["group_size"]
+        g = x.reshape(x.shape[:-1] + (groups, -1))
+        axes = tuple(range(1, g.ndim - 2)) + (g.ndim - 1,)
+        m, v = g.mean(axes, keepdims=True), g.var(axes, keepdims=True)
+        return ((g - m) / np.sqrt(v + EPS)).reshape(x.shape)
+    m, v = x.mean(axes, keepdims=True), x.var(axes, keepdims=True)
+    return (x - m) / np.sqrt(v + EPS)
+
+
+def apply(module, variables, x):
+    out = module.apply(variables, x, mutable=["batch_stats"])
+    return np.asarray(out[0])
+
+
+@pytest.mark.parametrize("offset", [1e6, 1e7], ids=["N(1e6,1)", "N(1e7,1)"])
+@pytest.mark.parametrize("name", CASES)
+def test_output_matches_float64_where_flax_does_not(name, offset):
+    ours, theirs, kwargs, shape = CASES[name]
+    x = np.random.default_rng(25).normal(offset, 1.0, shape).astype(np.float32)
+    want = reference(name, x)
+    variables = ours(epsilon=EPS, **kwargs).init(jax.random.PRNGKey(0), x)
+    assert np.abs(apply(ours(epsilon=EPS, **kwargs), variables, x) - want).max() <= 1e-5
+    assert np.abs(apply(theirs(epsilon=EPS, **kwargs), variables, x) - want).max() > 1.0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_variables_are_flaxs_and_benign_outputs_and_gradients_agree(name):
+    ours, theirs, kwargs, shape = CASES[name]
+    x = np.random.default_rng(7).normal(0.5, 2.0, shape).astype(np.float32)
+    a, b = ours(**kwargs), theirs(**kwargs)
+    key = jax.random.PRNGKey(1)
+    va, vb = a.init(key, x), b.init(key, x)
+    assert jax.tree_util.tree_structure(va) == jax.tree_util.tree_structure(vb)
+    for p, q in zip(jax.tree_util.tree_leaves(va), jax.tree_util.tree_leaves(vb)):
+        assert p.shape == q.shape and p.dtype == q.dtype
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+    # A trained Flax checkpoint applies to ours: random scale and bias.
+    va = jax.tree_util.tree_map(lambda v: v + jax.random.normal(key, v.shape, v.dtype), va)
+    np.testing.assert_allclose(apply(a, va, x), apply(b, va, x), rtol=1e-5, atol=2e-6)
+
+    def loss(module, xx):
+        return jnp.sum(jnp.sin(3.0 * module.apply(va, xx, mutable=["batch_stats"])[0]))
+
+    ga, gb = jax.grad(lambda xx: loss(a, xx))(x), jax.grad(lambda xx: loss(b, xx))(x)
+    np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["all", "masked"])
+def test_batch_stats_are_the_oracles_bits(mask):
+    """momentum=0: the running mean and variance are the batch statistics themselves,
+    whose bits are the oracle's (of the selected rows) and jax_kernel.moments'."""
+    x = np.random.default_rng(3).normal(1e4, 1.0, (48, 5)).astype(np.float32)
+    select = np.ones(x.shape, bool)
+    if mask:
+        select[::3] = False
+    module = stable.BatchNorm(use_running_average=False, momentum=0.0)
+    variables = module.init(jax.random.PRNGKey(0), x)
+    _, updated = module.apply(variables, x, mask=jnp.asarray(select), mutable=["batch_stats"])
+    mean, var = (np.asarray(updated["batch_stats"][k]) for k in ("mean", "var"))
+    kept = x[select[:, 0]]
+    ref_mean, ref_var = oracle(kept, (0,))
+    np.testing.assert_array_equal(bits(mean), bits(ref_mean))
+    np.testing.assert_array_equal(bits(var), bits(ref_var))
+    if not mask:
+        jm, jv = jax_kernel.moments(x, (0,))
+        np.testing.assert_array_equal(bits(var), bits(np.asarray(jv)))
+        np.testing.assert_array_equal(bits(mean), bits(np.asarray(jm)))
+
+
+def test_use_running_average_normalizes_with_the_stored_statistics():
+    x = np.random.default_rng(4).normal(3.0, 2.0, (32, 6)).astype(np.float32)
+    ours = stable.BatchNorm(use_running_average=True)
+    theirs = flax_linen.BatchNorm(use_running_average=True)
+    variables = ours.init(jax.random.PRNGKey(0), x)
+    variables = jax.tree_util.tree_map(lambda v: v + 0.5, variables)
+    np.testing.assert_allclose(apply(ours, variables, x), apply(theirs, variables, x), rtol=1e-6)
+
+
+def test_bad_arguments_raise_errors_naming_them():
+    x = jnp.ones((2, 3, 6))
+    with pytest.raises(ValueError, match=r"give exactly one of num_groups and group_size.*"):
+        stable.GroupNorm(num_groups=2, group_size=3).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"num_groups=4 does not divide the 6 channels"):
+        stable.GroupNorm(num_groups=4).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match=r"channels \(6\) are not a multiple of group_size=4"):
+        stable.GroupNorm(num_groups=None, group_size=4).init(jax.random.PRNGKey(0), x)
+    module = stable.BatchNorm(use_running_average=False, axis_name="batch")
+    variables = module.init(jax.random.PRNGKey(0), x)  # initialization ignores axis_name
+    with pytest.raises(NotImplementedError, match=r"axis_name .* got axis_name='batch'"):
+        module.apply(variables, x, mutable=["batch_stats"])
