@@ -7,6 +7,11 @@ applies to them); their statistics are the oracle's bits (and those of
 on benign data they agree with Flax's, gradients included.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import flax.linen as flax_linen  # the [flax] extra, a test dependency
 import jax
 import jax.numpy as jnp
@@ -143,7 +148,41 @@ def test_bad_arguments_raise_errors_naming_them():
         stable.GroupNorm(num_groups=4).init(jax.random.PRNGKey(0), x)
     with pytest.raises(ValueError, match=r"channels \(6\) are not a multiple of group_size=4"):
         stable.GroupNorm(num_groups=None, group_size=4).init(jax.random.PRNGKey(0), x)
-    module = stable.BatchNorm(use_running_average=False, axis_name="batch")
-    variables = module.init(jax.random.PRNGKey(0), x)  # initialization ignores axis_name
-    with pytest.raises(NotImplementedError, match=r"axis_name .* got axis_name='batch'"):
-        module.apply(variables, x, mutable=["batch_stats"])
+
+
+def test_axis_name_gives_the_global_batchs_bits(tmp_path):
+    """pmap and shard_map over 4 virtual CPU devices (tests/_flax_sync_check.py): the
+    statistics of one device holding the global batch, bit for bit (also masked, and per
+    group of axis_index_groups); outputs and gradients equal to float32 rounding."""
+    dst = tmp_path / "out.npz"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    script = Path(__file__).with_name("_flax_sync_check.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(dst)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = dict(np.load(dst))
+    x = np.random.default_rng(24).normal(1e4, 1.0, (32, 6)).astype(np.float32)
+    ref_mean, ref_var = oracle(x, (0,))
+    np.testing.assert_array_equal(bits(out["single_mean"]), bits(ref_mean))
+    np.testing.assert_array_equal(bits(out["single_var"]), bits(ref_var))
+    for kind in ("pmap", "shard_map"):
+        for stat in ("mean", "var"):
+            got = (
+                np.broadcast_to(out[f"{kind}_{stat}"], (4, 6))
+                if kind == "pmap"
+                else out[f"{kind}_{stat}"][None]
+            )
+            np.testing.assert_array_equal(
+                bits(got), bits(np.broadcast_to(out[f"single_{stat}"], got.shape))
+            )
+        # The same statistics and residuals; the scale-and-shift after them is compiled
+        # per program (layer outputs with the same bits in every mode: issue #27).
+        np.testing.assert_allclose(out[f"{kind}_y"], out["single_y"], rtol=0, atol=1e-6)
+    for stat in ("mean", "var"):
+        for device in range(4):
+            want = out[f"half{device // 2}_{stat}"]
+            np.testing.assert_array_equal(bits(out[f"groups_{stat}"][device]), bits(want))
+        masked = out[f"masked_pmap_{stat}"]
+        np.testing.assert_array_equal(bits(masked), bits(out[f"masked_single_{stat}"]))
+    np.testing.assert_allclose(out["pmap_grad"], out["single_grad"], rtol=0, atol=1e-5)

@@ -22,8 +22,12 @@ accepted and changes nothing (there is one result: the correctly rounded one).
 Gradients are the analytic ones of the same formulas (a custom JVP: d mean = mean(t),
 d var = 2 mean(r (t - d mean)) over the selected elements), so higher orders work.
 
-Not yet: ``axis_name`` (cross-device statistics) raises NotImplementedError outside
-initialization; ``force_float32_reductions=False`` is treated as True (statistics of
+axis_name (and axis_index_groups), inside ``pmap`` or ``shard_map``: the statistics of
+every device's batch on that axis, the bits of one device holding all of it: each
+device's exact moments state (``jax_kernel.moments_state``), one psum of its int32
+digits, rounded once (Flax: one pmean of float32 partial means).
+
+Not yet: ``force_float32_reductions=False`` is treated as True (statistics of
 half-precision inputs in float32).
 """
 
@@ -37,8 +41,11 @@ from flax.linen import dtypes as _dtypes
 from flax.linen import normalization as _flax_norm
 from flax.linen.module import compact, merge_param
 
-from jax_kernel import _functions
+from jax_kernel import _functions, _ops
 from jax_kernel import _moments as _m
+from jax_kernel import _state as _state_api
+from moments_core import _kernel
+from moments_core._formats import FORMATS
 
 __all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
 
@@ -60,30 +67,62 @@ def _stats(x, mask, axes):
     return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _centre(x, mask, axes):
+def _global_stats(x, mask, axes, axis_name, groups):
+    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
+    group of `groups`): each device's exact moments state, one psum of its int32 digits
+    (exact in any order), rounded once; mean_lo from its fixed-point sums, one more psum
+    (integers below 2**53: exact in any order).  The bits of one device holding all."""
+    state = jax.lax.psum(
+        _state_api.moments_state(x, axes, where=mask), axis_name, axis_index_groups=groups
+    )
+    mean, var = _state_api.state_moments(state)
+
+    def all_sum(t):
+        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
+
+    with jax.enable_x64(True):
+        laid, axis = _m._layout(x, axes)
+        valid = None
+        if mask is None:  # a static count: the constants of one device's kernel
+            size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+            n = math.prod(x.shape[a] for a in axes) * size
+        else:
+            valid = _m._layout(mask, axes)[0]
+            digits = state.values.reshape(-1, state.values.shape[-1]).astype(jnp.int64)
+            n = digits[:, 0] + digits[:, 1] * 2**16 + digits[:, 2] * 2**32
+        fmt = FORMATS[jnp.dtype(x.dtype).name]
+        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
+        lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
+    return mean, lo.astype(x.dtype).reshape(mean.shape), var
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _centre(x, mask, axes, axis_name=None, groups=None):
     """(r, mean, var): r = (x - mean) - mean_lo for every element, mean and var those of
-    the selected ones (all with mask None), correctly rounded."""
-    mean, mean_lo, var = _stats(x, mask, axes)
+    the selected ones (all with mask None; of every device on axis_name), correctly
+    rounded."""
+    if axis_name is None:
+        mean, mean_lo, var = _stats(x, mask, axes)
+    else:
+        mean, mean_lo, var = _global_stats(x, mask, axes, axis_name, groups)
     return (x - _expand(mean, axes)) - _expand(mean_lo, axes), mean, var
 
 
 @_centre.defjvp
-def _centre_jvp(axes, primals, tangents):
+def _centre_jvp(axes, axis_name, groups, primals, tangents):
     x, mask = primals
     t = tangents[0]
-    r, mean, var = out = _centre(x, mask, axes)
-    if mask is None:
-        n = math.prod(x.shape[a] for a in axes)
-        t_mean = jnp.sum(t, axes) / n
-        t_r = t - _expand(t_mean, axes)
-        t_var = 2 * jnp.sum(r * t_r, axes) / n
-    else:
-        w = jnp.broadcast_to(mask, x.shape).astype(x.dtype)
-        k = jnp.maximum(jnp.sum(w, axes), 1)
-        t_mean = jnp.sum(w * t, axes) / k
-        t_r = t - _expand(t_mean, axes)
-        t_var = 2 * jnp.sum(w * r * t_r, axes) / k
+    r, mean, var = out = _centre(x, mask, axes, axis_name, groups)
+
+    def total(v):
+        v = jnp.sum(v, axes)
+        return v if axis_name is None else jax.lax.psum(v, axis_name, axis_index_groups=groups)
+
+    w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
+    k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
+    t_mean = total(w * t) / k
+    t_r = t - _expand(t_mean, axes)
+    t_var = 2 * total(w * r * t_r) / k
     return out, (t_r, t_mean, t_var)
 
 
@@ -92,11 +131,17 @@ def _work(x, dtype):
     return jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
 
 
-def _centred(x, mask, axes, dtype):
-    x = jnp.asarray(x, _work(x, dtype))
+def _centred(mdl, x, mask, axes):
+    """_centre of x in the statistics dtype, over the module's axis_name (not while
+    initializing: the named axis need not exist then, as in Flax)."""
+    x = jnp.asarray(x, _work(x, mdl.dtype))
     if mask is not None:
         mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
-    return _centre(x, mask, axes)
+    axis_name = None if mdl.is_initializing() else mdl.axis_name
+    groups = None
+    if axis_name is not None and mdl.axis_index_groups is not None:
+        groups = tuple(tuple(int(i) for i in g) for g in mdl.axis_index_groups)
+    return _centre(x, mask, axes, axis_name, groups)
 
 
 def _scale_shift(mdl, x, r, var, feature_axes):
@@ -121,14 +166,6 @@ def _scale_shift(mdl, x, r, var, feature_axes):
         y = y + bias
         args.append(bias)
     return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=mdl.dtype))
-
-
-def _no_axis_name(mdl):
-    if mdl.axis_name is not None and not mdl.is_initializing():
-        raise NotImplementedError(
-            f"{type(mdl).__name__}: axis_name (cross-device statistics) is not supported "
-            f"yet by jax_kernel.flax; got axis_name={mdl.axis_name!r}"
-        )
 
 
 def _canonical(ndim, axes):
@@ -156,8 +193,7 @@ class BatchNorm(nn.BatchNorm):
             var = jnp.reshape(ra_var.value, mean.shape)
             r = jnp.asarray(x, work) - mean
         else:
-            _no_axis_name(self)
-            r, mean, var = _centred(x, mask, reduction_axes, self.dtype)
+            r, mean, var = _centred(self, x, mask, reduction_axes)
             if not self.is_initializing():
                 ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
                 ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
@@ -170,9 +206,8 @@ class LayerNorm(nn.LayerNorm):
 
     @compact
     def __call__(self, x, *, mask=None):
-        _no_axis_name(self)
         reduction_axes = _canonical(x.ndim, self.reduction_axes)
-        r, _, var = _centred(x, mask, reduction_axes, self.dtype)
+        r, _, var = _centred(self, x, mask, reduction_axes)
         feature_axes = _canonical(x.ndim, self.feature_axes)
         return _scale_shift(self, x, r, _expand(var, reduction_axes), feature_axes)
 
@@ -182,7 +217,6 @@ class GroupNorm(nn.GroupNorm):
 
     @compact
     def __call__(self, x, *, mask=None):
-        _no_axis_name(self)
         if self.reduction_axes is not None:
             reduction_axes = self.reduction_axes
         else:
@@ -218,7 +252,7 @@ class GroupNorm(nn.GroupNorm):
         if mask is not None:
             mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
         axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
-        r, _, var = _centred(x.reshape(shape), mask, axes, self.dtype)
+        r, _, var = _centred(self, x.reshape(shape), mask, axes)
         var = jnp.repeat(_expand(var, axes), size, axis=-1)  # [.., groups, size]
         return _scale_shift(
             self,
