@@ -1,5 +1,6 @@
 """Correctly rounded mean and variance in JAX: the kernel, jnp drop-ins, a mergeable state."""
 
+from jax_kernel._centre import standardize
 from jax_kernel._functions import mean, std, var
 from jax_kernel._moments import moments
 from jax_kernel._state import (
@@ -17,6 +18,7 @@ __all__ = [
     "merge_states",
     "moments",
     "moments_state",
+    "standardize",
     "state_moments",
     "std",
     "var",

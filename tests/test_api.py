@@ -185,7 +185,7 @@ def test_public_surface_is_thin():
     functions = {"keras_moments", "reduce_std", "reduce_variance", "weighted_moments"}
     everything = {"moments", "portable", "stabilize"} | state | layers | functions
     assert set(tf_stable_moments.__all__) == everything
-    assert set(jax_kernel.__all__) == {"moments", "mean", "var", "std"} | state
+    assert set(jax_kernel.__all__) == {"moments", "mean", "var", "std", "standardize"} | state
     for package in (tf_stable_moments, jax_kernel):  # modules are private: nothing else shows
         names = {k for k in dir(package) if not k.startswith("_")}
         assert names == set(package.__all__)

@@ -360,3 +360,61 @@ def test_bad_arguments_raise_errors_naming_them():
         tf_stable_moments.weighted_moments(np.zeros(3, np.complex64), [0], np.ones(3))
     with pytest.raises(TypeError, match=r"frequency_weights must be real numbers; got dtype co"):
         tf_stable_moments.weighted_moments(x, [0], np.ones((2, 3), np.complex64))
+
+
+# ------------------------------------------------------------------ jax_kernel.standardize
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "where"])
+@pytest.mark.parametrize("axis", [-1, (0, 2), None], ids=["last", "axes_02", "all"])
+def test_standardize_is_accurate_and_the_same_bits_eager_and_jit(axis, masked):
+    """jax.nn.standardize's default loses the spread of N(1e6, 0.1) (jax #30426) and
+    differs between eager and jit (#37281); ours matches float64 and is one result."""
+    x = np.random.default_rng(37).normal(1e6, 0.1, (4, 6, 32)).astype(np.float32)
+    where = np.random.default_rng(8).random(x.shape) < 0.7 if masked else None
+    got = np.asarray(jax_kernel.standardize(x, axis, where=where))
+    jitted = jax.jit(lambda v: jax_kernel.standardize(v, axis, where=where))(x)
+    np.testing.assert_array_equal(bits(got), bits(np.asarray(jitted)))
+    x64 = x.astype(np.float64)
+    select = True if where is None else where
+    m = np.mean(x64, axis, keepdims=True, where=select)
+    v = np.mean((x64 - m) ** 2, axis, keepdims=True, where=select)
+    assert np.abs(got - (x64 - m) / np.sqrt(v + 1e-5)).max() <= 1e-5
+    assert (
+        np.abs(
+            np.asarray(jax.nn.standardize(x, axis, where=where)) - (x64 - m) / np.sqrt(v + 1e-5)
+        ).max()
+        > 1.0
+    )
+
+
+def test_standardize_follows_jax_on_benign_data_and_given_statistics():
+    x = np.random.default_rng(9).normal(0.5, 2.0, (8, 16)).astype(np.float32)
+    np.testing.assert_allclose(
+        jax_kernel.standardize(x), jax.nn.standardize(x), rtol=1e-5, atol=1e-5
+    )
+
+    def loss(f, v):
+        return jnp.sum(jnp.sin(3.0 * f(v)))
+
+    g = jax.grad(lambda v: loss(jax_kernel.standardize, v))(x)
+    h = jax.grad(lambda v: loss(jax.nn.standardize, v))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-4)
+    mean, variance = np.float32(0.25), np.float32(3.0)
+    for kwargs in ({"mean": mean}, {"variance": variance}, {"mean": mean, "variance": variance}):
+        for algorithm in ("fast", "stable"):
+            want = jax.nn.standardize(x, algorithm=algorithm, **kwargs)
+            got = jax_kernel.standardize(x, algorithm=algorithm, **kwargs)
+            tol = 1e-5 if "mean" in kwargs else 1e-4  # no mean given: ours, certified
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+    ints = np.arange(12).reshape(3, 4)
+    assert jax_kernel.standardize(ints).dtype == jax.nn.standardize(ints).dtype
+
+
+def test_standardize_rejects_bad_arguments_naming_them():
+    with pytest.raises(
+        ValueError, match=r"standardize: algorithm must be one of .* got algorithm='exact'"
+    ):
+        jax_kernel.standardize(np.ones((2, 3), np.float32), algorithm="exact")
+    with pytest.raises(TypeError, match=r"standardize: x must be real; got dtype complex64"):
+        jax_kernel.standardize(np.ones((2, 3), np.complex64))
+    with pytest.raises(TypeError, match=r"standardize: axis must be an int .* got axis=1\.5"):
+        jax_kernel.standardize(np.ones((2, 3), np.float32), axis=1.5)

@@ -31,21 +31,14 @@ Not yet: ``force_float32_reductions=False`` is treated as True (statistics of
 half-precision inputs in float32).
 """
 
-import functools
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as _dtypes
-from flax.linen import normalization as _flax_norm
 from flax.linen.module import compact, merge_param
 
-from jax_kernel import _functions, _ops
-from jax_kernel import _moments as _m
-from jax_kernel import _state as _state_api
-from moments_core import _kernel
-from moments_core._formats import FORMATS
+from jax_kernel._centre import centre as _centre
+from jax_kernel._centre import expand as _expand
 
 __all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
 
@@ -54,76 +47,6 @@ def _axes(ndim, axes):
     """Sorted non-negative axes from an int or a sequence (negative counted from the end)."""
     axes = (axes,) if isinstance(axes, int) else tuple(axes)
     return tuple(sorted({a % ndim for a in axes}))
-
-
-def _expand(v, axes):
-    return jnp.expand_dims(v, axes)
-
-
-def _stats(x, mask, axes):
-    """(mean, mean_lo, var) of x over axes (of the elements mask selects)."""
-    if mask is None:
-        return _m.stats(x, axes, 0)
-    return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
-
-
-def _global_stats(x, mask, axes, axis_name, groups):
-    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
-    group of `groups`): each device's exact moments state, one psum of its int32 digits
-    (exact in any order), rounded once; mean_lo from its fixed-point sums, one more psum
-    (integers below 2**53: exact in any order).  The bits of one device holding all."""
-    state = jax.lax.psum(
-        _state_api.moments_state(x, axes, where=mask), axis_name, axis_index_groups=groups
-    )
-    mean, var = _state_api.state_moments(state)
-
-    def all_sum(t):
-        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
-
-    with jax.enable_x64(True):
-        laid, axis = _m._layout(x, axes)
-        valid = None
-        if mask is None:  # a static count: the constants of one device's kernel
-            size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
-            n = math.prod(x.shape[a] for a in axes) * size
-        else:
-            valid = _m._layout(mask, axes)[0]
-            digits = state.values.reshape(-1, state.values.shape[-1]).astype(jnp.int64)
-            n = digits[:, 0] + digits[:, 1] * 2**16 + digits[:, 2] * 2**32
-        fmt = FORMATS[jnp.dtype(x.dtype).name]
-        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
-        lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
-    return mean, lo.astype(x.dtype).reshape(mean.shape), var
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def _centre(x, mask, axes, axis_name=None, groups=None):
-    """(r, mean, var): r = (x - mean) - mean_lo for every element, mean and var those of
-    the selected ones (all with mask None; of every device on axis_name), correctly
-    rounded."""
-    if axis_name is None:
-        mean, mean_lo, var = _stats(x, mask, axes)
-    else:
-        mean, mean_lo, var = _global_stats(x, mask, axes, axis_name, groups)
-    return (x - _expand(mean, axes)) - _expand(mean_lo, axes), mean, var
-
-
-@_centre.defjvp
-def _centre_jvp(axes, axis_name, groups, primals, tangents):
-    x, mask = primals
-    t = tangents[0]
-    r, mean, var = out = _centre(x, mask, axes, axis_name, groups)
-
-    def total(v):
-        v = jnp.sum(v, axes)
-        return v if axis_name is None else jax.lax.psum(v, axis_name, axis_index_groups=groups)
-
-    w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
-    k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
-    t_mean = total(w * t) / k
-    t_r = t - _expand(t_mean, axes)
-    t_var = 2 * total(w * r * t_r) / k
-    return out, (t_r, t_mean, t_var)
 
 
 def _work(x, dtype):
@@ -168,10 +91,6 @@ def _scale_shift(mdl, x, r, var, feature_axes):
     return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=mdl.dtype))
 
 
-def _canonical(ndim, axes):
-    return _flax_norm._canonicalize_axes(ndim, axes)
-
-
 class BatchNorm(nn.BatchNorm):
     """flax.linen.BatchNorm with correctly rounded batch statistics (module docstring)."""
 
@@ -180,7 +99,7 @@ class BatchNorm(nn.BatchNorm):
         use_running_average = merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
-        feature_axes = _canonical(x.ndim, self.axis)
+        feature_axes = _axes(x.ndim, self.axis)
         reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
         feature_shape = [x.shape[a] for a in feature_axes]
         ra_mean = self.variable("batch_stats", "mean", jnp.zeros, feature_shape, jnp.float32)
@@ -206,9 +125,9 @@ class LayerNorm(nn.LayerNorm):
 
     @compact
     def __call__(self, x, *, mask=None):
-        reduction_axes = _canonical(x.ndim, self.reduction_axes)
+        reduction_axes = _axes(x.ndim, self.reduction_axes)
         r, _, var = _centred(self, x, mask, reduction_axes)
-        feature_axes = _canonical(x.ndim, self.feature_axes)
+        feature_axes = _axes(x.ndim, self.feature_axes)
         return _scale_shift(self, x, r, _expand(var, reduction_axes), feature_axes)
 
 
@@ -221,7 +140,7 @@ class GroupNorm(nn.GroupNorm):
             reduction_axes = self.reduction_axes
         else:
             reduction_axes = list(range(1, x.ndim - 1)) + [-1]
-        reduction_axes = _canonical(x.ndim, reduction_axes)
+        reduction_axes = _axes(x.ndim, reduction_axes)
         if reduction_axes[-1] != x.ndim - 1:
             raise ValueError(
                 "GroupNorm: the reduction axes must include the last (feature) axis; got "

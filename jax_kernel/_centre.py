@@ -1,0 +1,159 @@
+"""The input centred with the certified statistics, differentiable: the core of the Flax
+modules (jax_kernel.flax.linen) and of `standardize`.
+
+centre(x, mask, axes, axis_name, groups) -> (r, mean, var): mean and var the correctly
+rounded statistics of the selected elements over `axes` (of every device on axis_name),
+r = (x - mean) - mean_lo for every element, mean + mean_lo the mean to about twice the
+format's precision (docs section 9).  Its JVP is the analytic one of
+r = x - mean(x), var = mean((x - mean(x))**2) over the selected elements:
+
+    d mean = sum(w t) / k,   d r = t - d mean,   d var = 2 sum(w r d r) / k
+
+(w the selection, k its count; sums psum-ed over axis_name), itself differentiable.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_kernel import _functions, _ops
+from jax_kernel import _moments as _m
+from jax_kernel import _state as _state_api
+from moments_core import _kernel
+from moments_core._formats import FORMATS
+
+
+def expand(v, axes):
+    return jnp.expand_dims(v, axes)
+
+
+def _stats(x, mask, axes):
+    """(mean, mean_lo, var) of x over axes (of the elements mask selects)."""
+    if mask is None:
+        return _m.stats(x, axes, 0)
+    return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
+
+
+def _global_stats(x, mask, axes, axis_name, groups):
+    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
+    group of `groups`): each device's exact moments state, one psum of its int32 digits
+    (exact in any order), rounded once; mean_lo from its fixed-point sums, one more psum
+    (integers below 2**53: exact in any order).  The bits of one device holding all."""
+    state = jax.lax.psum(
+        _state_api.moments_state(x, axes, where=mask), axis_name, axis_index_groups=groups
+    )
+    mean, var = _state_api.state_moments(state)
+
+    def all_sum(t):
+        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
+
+    with jax.enable_x64(True):
+        laid, axis = _m._layout(x, axes)
+        valid = None
+        if mask is None:  # a static count: the constants of one device's kernel
+            size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+            n = math.prod(x.shape[a] for a in axes) * size
+        else:
+            valid = _m._layout(mask, axes)[0]
+            digits = state.values.reshape(-1, state.values.shape[-1]).astype(jnp.int64)
+            n = digits[:, 0] + digits[:, 1] * 2**16 + digits[:, 2] * 2**32
+        fmt = FORMATS[jnp.dtype(x.dtype).name]
+        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
+        lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
+    return mean, lo.astype(x.dtype).reshape(mean.shape), var
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def centre(x, mask, axes, axis_name=None, groups=None):
+    """(r, mean, var): r = (x - mean) - mean_lo for every element, mean and var those of
+    the selected ones (all with mask None; of every device on axis_name), correctly
+    rounded."""
+    if axis_name is None:
+        mean, mean_lo, var = _stats(x, mask, axes)
+    else:
+        mean, mean_lo, var = _global_stats(x, mask, axes, axis_name, groups)
+    return (x - expand(mean, axes)) - expand(mean_lo, axes), mean, var
+
+
+@centre.defjvp
+def _centre_jvp(axes, axis_name, groups, primals, tangents):
+    x, mask = primals
+    t = tangents[0]
+    r, mean, var = out = centre(x, mask, axes, axis_name, groups)
+
+    def total(v):
+        v = jnp.sum(v, axes)
+        return v if axis_name is None else jax.lax.psum(v, axis_name, axis_index_groups=groups)
+
+    w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
+    k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
+    t_mean = total(w * t) / k
+    t_r = t - expand(t_mean, axes)
+    t_var = 2 * total(w * r * t_r) / k
+    return out, (t_r, t_mean, t_var)
+
+
+_ALGORITHMS = ("fast", "stable")
+
+
+def standardize(
+    x, axis=-1, mean=None, variance=None, epsilon=1e-5, where=None, *, algorithm="fast"
+):
+    """Standardize to zero mean and unit variance: a drop-in for jax.nn.standardize.
+
+        y = (x - mean) / sqrt(variance + epsilon)
+
+    With mean and variance not given, they are the correctly rounded mean and variance of
+    the elements `where` selects (all by default) over `axis`, and x - mean is taken
+    with the mean's two parts (docs section 9): accurate for data far from zero, and the
+    same bits in eager mode and under jit (jax.nn.standardize's default
+    ``mean(x**2) - mean(x)**2`` gives NaN or 0 for a small spread on a large offset, and
+    differs between eager and jit: jax issues #30426, #37281).  `algorithm` ("fast" or
+    "stable") is accepted and changes nothing then.  A given mean is used as given; a
+    given variance too; with a mean given and no variance, the variance is jax's
+    (``algorithm``'s formula about the given mean, not certified).  Integer input is
+    cast to the default float dtype, as jnp.mean does.  Gradients are analytic.
+
+    Args:
+      x: a real array.
+      axis: None (all axes), an int or a tuple of ints; default the last axis.
+      mean, variance: optional, broadcastable to x with the reduced axes kept.
+      epsilon: added to the variance.
+      where: optional boolean mask broadcast to x: the elements of the statistics.
+
+    >>> import jax.numpy as jnp, jax_kernel
+    >>> x = jnp.array([[1e4 + 1, 1e4 + 2, 1e4 + 3]], jnp.float32)
+    >>> jax_kernel.standardize(x, epsilon=0.0)
+    Array([[-1.2247448,  0.       ,  1.2247448]], dtype=float32)
+    """
+    from moments_core._validate import canonical_axes
+
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(
+            f"standardize: algorithm must be one of {_ALGORITHMS}; got algorithm={algorithm!r}"
+        )
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            raise TypeError(f"standardize: x must be real; got dtype {x.dtype}")
+        x = x.astype(jnp.result_type(float))
+    axes = canonical_axes(axis, x.ndim, "standardize", arg="axis")
+    mask = None if where is None else jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
+    if mean is None:
+        r, _, var = centre(x, mask, axes)
+        var = expand(var, axes)
+    else:
+        r = x - jnp.asarray(mean)
+        var = None
+    if variance is not None:
+        var = jnp.asarray(variance)
+    elif var is None:  # a mean given, no variance: jax's formulas about that mean
+        if algorithm == "stable":
+            var = jnp.mean(jnp.square(r), axes, keepdims=True, where=mask)
+        else:
+            m = jnp.asarray(mean)
+            var = jnp.mean(jnp.square(x), axes, keepdims=True, where=mask) - jnp.square(m)
+            var = jnp.clip(var, 0)
+    return r * jax.lax.rsqrt(var + epsilon)
