@@ -186,3 +186,77 @@ def test_axis_name_gives_the_global_batchs_bits(tmp_path):
         masked = out[f"masked_pmap_{stat}"]
         np.testing.assert_array_equal(bits(masked), bits(out[f"masked_single_{stat}"]))
     np.testing.assert_allclose(out["pmap_grad"], out["single_grad"], rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ flax.nnx
+from flax import nnx  # noqa: E402
+
+from jax_kernel.flax import nnx as stable_nnx  # noqa: E402
+
+NNX_CASES = {
+    "BatchNorm": (
+        lambda cls, c: cls(c, use_running_average=False, epsilon=EPS, rngs=nnx.Rngs(0)),
+        stable_nnx.BatchNorm,
+        nnx.BatchNorm,
+        (64, 16),
+    ),
+    "LayerNorm": (
+        lambda cls, c: cls(c, epsilon=EPS, rngs=nnx.Rngs(0)),
+        stable_nnx.LayerNorm,
+        nnx.LayerNorm,
+        (16, 64),
+    ),
+    "GroupNorm": (
+        lambda cls, c: cls(c, num_groups=4, epsilon=EPS, rngs=nnx.Rngs(0)),
+        stable_nnx.GroupNorm,
+        nnx.GroupNorm,
+        (4, 8, 16),
+    ),
+}
+
+
+@pytest.mark.parametrize("offset", [1e6, 1e7], ids=["N(1e6,1)", "N(1e7,1)"])
+@pytest.mark.parametrize("name", NNX_CASES)
+def test_nnx_output_matches_float64_where_flax_does_not(name, offset):
+    make, ours, theirs, shape = NNX_CASES[name]
+    x = np.random.default_rng(26).normal(offset, 1.0, shape).astype(np.float32)
+    want = reference(name, x)
+    assert np.abs(np.asarray(make(ours, shape[-1])(x)) - want).max() <= 1e-5
+    assert np.abs(np.asarray(make(theirs, shape[-1])(x)) - want).max() > 1.0
+
+
+@pytest.mark.parametrize("name", NNX_CASES)
+def test_nnx_state_is_flaxs_and_benign_outputs_and_gradients_agree(name):
+    make, ours, theirs, shape = NNX_CASES[name]
+    a, b = make(ours, shape[-1]), make(theirs, shape[-1])
+    sa, sb = nnx.state(a), nnx.state(b)
+    assert jax.tree_util.tree_structure(sa) == jax.tree_util.tree_structure(sb)
+    for p, q in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+    # A Flax module's trained state loads into ours.
+    sb = jax.tree_util.tree_map(lambda v: v + 0.5, sb)
+    nnx.update(a, sb)
+    nnx.update(b, sb)
+    x = np.random.default_rng(5).normal(0.5, 2.0, shape).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(a(x)), np.asarray(b(x)), rtol=1e-5, atol=2e-6)
+
+    def loss(module, v):
+        return jnp.sum(jnp.sin(3.0 * module(v)))
+
+    ga = nnx.grad(loss, argnums=1)(a, x)
+    gb = nnx.grad(loss, argnums=1)(b, x)
+    np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), rtol=1e-4, atol=1e-5)
+
+
+def test_nnx_batch_stats_are_the_oracles_bits_and_running_average_is_used():
+    x = np.random.default_rng(3).normal(1e4, 1.0, (48, 5)).astype(np.float32)
+    module = stable_nnx.BatchNorm(5, momentum=0.0, rngs=nnx.Rngs(0))
+    module(x, use_running_average=False)
+    ref_mean, ref_var = oracle(x, (0,))
+    np.testing.assert_array_equal(bits(np.asarray(module.mean[...])), bits(ref_mean))
+    np.testing.assert_array_equal(bits(np.asarray(module.var[...])), bits(ref_var))
+    theirs = nnx.BatchNorm(5, rngs=nnx.Rngs(0))
+    nnx.update(theirs, nnx.state(module))
+    y = np.random.default_rng(4).normal(1e4, 1.0, (8, 5)).astype(np.float32)
+    got = module(y, use_running_average=True)
+    np.testing.assert_allclose(got, theirs(y, use_running_average=True), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,135 @@
+"""flax.nnx BatchNorm, LayerNorm and GroupNorm with correctly rounded statistics.
+
+The nnx counterparts of `jax_kernel.flax.linen` (whose docstring describes the
+arithmetic): each class subclasses Flax's, so its constructor (``num_features``,
+``rngs``, ...), attributes (``scale``, ``bias``: ``nnx.Param``; ``mean``, ``var``:
+``nnx.BatchStat``), ``nnx.view`` and checkpoints are Flax's; only ``__call__``
+differs.  ``axis_name`` and ``axis_index_groups`` give the statistics of every
+device's batch on that axis (one psum of exact moments states).
+
+    from jax_kernel.flax import nnx as stable
+    norm = stable.BatchNorm(16, use_running_average=False, rngs=nnx.Rngs(0))
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.module import first_from
+from flax.nnx.nn import dtypes as _dtypes
+
+from jax_kernel._centre import centre as _centre
+from jax_kernel._centre import expand as _expand
+from jax_kernel.flax.linen import _axes, _work
+
+__all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
+
+
+def _centred(module, x, mask, axes):
+    """_centre of x in the statistics dtype (at least float32), over the module's
+    axis_name."""
+    x = jnp.asarray(x, _work(x, module.dtype))
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+    groups = module.axis_index_groups
+    if groups is not None:
+        groups = tuple(tuple(int(i) for i in g) for g in groups)
+    return _centre(x, mask, axes, module.axis_name, groups)
+
+
+def _scale_shift(x, r, var, scale, bias, feature_axes, dtype, epsilon):
+    """y = r * (rsqrt(var + epsilon) * scale) + bias, in Flax's result dtype."""
+    feature_shape = [1] * x.ndim
+    for a in feature_axes:
+        feature_shape[a] = x.shape[a]
+    mul = jax.lax.rsqrt(var + epsilon)
+    args = [x]
+    if scale is not None:
+        scale = scale.reshape(feature_shape)
+        mul = mul * scale
+        args.append(scale)
+    y = r * mul
+    if bias is not None:
+        bias = bias.reshape(feature_shape)
+        y = y + bias
+        args.append(bias)
+    return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=dtype))
+
+
+def _params(module):
+    scale = module.scale[...] if module.scale is not None else None
+    bias = module.bias[...] if module.bias is not None else None
+    return scale, bias
+
+
+class BatchNorm(nnx.BatchNorm):
+    """flax.nnx.BatchNorm with correctly rounded batch statistics (module docstring)."""
+
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        use_running_average = first_from(
+            use_running_average,
+            self.use_running_average,
+            error_msg=(
+                "BatchNorm: no use_running_average was given, to the constructor or the "
+                "call; got use_running_average=None for both"
+            ),
+        )
+        feature_axes = _axes(x.ndim, self.axis)
+        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        scale, bias = _params(self)
+        x, mean, var, scale, bias = self.promote_dtype(
+            (x, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
+        )
+        stats_shape = [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
+        if use_running_average:
+            r = jnp.asarray(x, _work(x, self.dtype)) - mean.reshape(stats_shape)
+            var = var.reshape(stats_shape)
+        else:
+            r, batch_mean, batch_var = _centred(self, x, mask, reduction_axes)
+            stop = jax.lax.stop_gradient
+            self.mean[...] = stop(self.momentum * self.mean[...] + (1 - self.momentum) * batch_mean)
+            self.var[...] = stop(self.momentum * self.var[...] + (1 - self.momentum) * batch_var)
+            var = _expand(batch_var, reduction_axes)
+        return _scale_shift(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """flax.nnx.LayerNorm with correctly rounded statistics (module docstring)."""
+
+    def __call__(self, x, *, mask=None):
+        scale, bias = _params(self)
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        reduction_axes = _axes(x.ndim, self.reduction_axes)
+        r, _, var = _centred(self, x, mask, reduction_axes)
+        feature_axes = _axes(x.ndim, self.feature_axes)
+        var = _expand(var, reduction_axes)
+        return _scale_shift(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
+
+
+class GroupNorm(nnx.GroupNorm):
+    """flax.nnx.GroupNorm with correctly rounded statistics (module docstring)."""
+
+    def __call__(self, x, *, mask=None):
+        if self.reduction_axes is not None:
+            reduction_axes = self.reduction_axes
+        else:
+            reduction_axes = list(range(1, x.ndim - 1)) + [-1]
+        reduction_axes = _axes(x.ndim, reduction_axes)
+        scale, bias = _params(self)
+        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
+        shape = x.shape[:-1] + (self.num_groups, self.group_size)
+        if mask is not None:
+            mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
+        axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
+        r, _, var = _centred(self, x.reshape(shape), mask, axes)
+        var = jnp.repeat(_expand(var, axes), self.group_size, axis=-1)
+        kept = [1 if a in reduction_axes[:-1] else x.shape[a] for a in range(x.ndim)]
+        return _scale_shift(
+            x,
+            r.reshape(x.shape),
+            var.reshape(kept),
+            scale,
+            bias,
+            (x.ndim - 1,),
+            self.dtype,
+            self.epsilon,
+        )
