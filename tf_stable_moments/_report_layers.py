@@ -1,4 +1,5 @@
-"""The main job's layer section: keras's normalization layers and ours on offset data.
+"""The main job's layer section: keras's and Flax's normalization layers and ours on
+offset data (Flax's rows where flax is installed: ``pip install ".[flax]"``).
 
 Training-mode (BatchNormalization, LayerNormalization, GroupNormalization) or adapted
 (Normalization) output on float32 N(offset, 1) data, gamma = 1, beta = 0, epsilon 1e-3,
@@ -46,8 +47,51 @@ def _output(cls, kind, x):
     return keras.ops.convert_to_numpy(layer(x, training=True))
 
 
+_FLAX_CASES = (
+    ("flax.linen.BatchNorm [512, 16]", (512, 16), (0,), "BatchNorm"),
+    ("flax.linen.LayerNorm [16, 512]", (16, 512), (1,), "LayerNorm"),
+    ("flax.linen.GroupNorm [16, 512], 4 groups", (16, 512), None, "GroupNorm"),
+)
+
+
+def _flax_output(cls, kind, x):
+    import jax
+
+    kwargs = {"epsilon": EPSILON}
+    if kind == "BatchNorm":
+        kwargs["use_running_average"] = False
+    if kind == "GroupNorm":
+        kwargs["num_groups"] = 4
+    module = cls(**kwargs)
+    variables = module.init(jax.random.PRNGKey(0), x)
+    return np.asarray(module.apply(variables, x, mutable=["batch_stats"])[0])
+
+
+def flax_rows():
+    """{case: {offset: (Flax's error, ours error)}} for jax_kernel.flax.linen's classes
+    beside Flax's; empty where flax is not installed."""
+    try:
+        import flax.linen as theirs
+    except ImportError:
+        return {}
+    from jax_kernel.flax import linen as ours
+
+    out = {}
+    for name, shape, axes, kind in _FLAX_CASES:
+        out[name] = {}
+        for offset in OFFSETS:
+            x = (offset + np.random.default_rng(0).standard_normal(shape)).astype(np.float32)
+            want = _reference(x, axes, 4 if kind == "GroupNorm" else None)
+            errors = [
+                float(np.max(np.abs(_flax_output(getattr(m, kind), kind, x) - want)))
+                for m in (theirs, ours)
+            ]
+            out[name][offset] = tuple(errors)
+    return out
+
+
 def layer_rows():
-    """{case: {offset: (keras error, ours error)}} for every layer pair."""
+    """{case: {offset: (keras's or Flax's error, ours error)}} for every layer pair."""
     import keras
 
     import tf_stable_moments
@@ -66,11 +110,11 @@ def layer_rows():
                 want = _reference(x, axes, 4 if kind == "GroupNormalization" else None)
             errors = [float(np.max(np.abs(_output(c, kind, x) - want))) for c in (theirs, ours)]
             out[name][offset] = tuple(errors)
-    return out
+    return {**out, **flax_rows()}
 
 
 def format_layer_rows(rows):
-    head = ["layer"] + [f"{who} N({o:g}, 1)" for o in OFFSETS for who in ("keras", "ours")]
+    head = ["layer"] + [f"{who} N({o:g}, 1)" for o in OFFSETS for who in ("theirs", "ours")]
     lines = [head]
     for name, per in rows.items():
         cells = [name]
@@ -79,8 +123,9 @@ def format_layer_rows(rows):
         lines.append(cells)
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
     text = [
-        "Normalization layers, training-mode (Normalization: adapted) output, float32,",
-        "max |error| against the same formula in float64 (gamma 1, beta 0, epsilon 1e-3):",
+        "Normalization layers (theirs: keras's, or Flax's for the flax rows), training-mode",
+        "(Normalization: adapted) output, float32, max |error| against the same formula in",
+        "float64 (gamma 1, beta 0, epsilon 1e-3):",
     ]
     for r in lines:
         text.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
