@@ -35,7 +35,7 @@ from jax_kernel import _moments as _m
 from jax_kernel import _ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
-from moments_core._validate import canonical_axes, check_ddof
+from moments_core._validate import canonical_axes, check_ddof, out_shape
 
 __all__ = ["mean", "std", "var"]
 
@@ -120,7 +120,7 @@ def _masked_stats(x, mask, axes, ddof, lo, exact_only):
             ]
         means = [m.astype(work) for m in means]
         var = var.astype(work)
-    shape = _m._out_shape(x.shape, axes, False)
+    shape = out_shape(x.shape, axes, False)
 
     def join(v):
         return (v[0] if len(v) == 1 else lax.complex(v[0], v[1])).reshape(shape)
@@ -156,7 +156,7 @@ def _masked_moments(x, mask, axes, keepdims, ddof, exact_only):
         mean_, _, var_ = _masked_stats(x, mask, axes, ddof, False, exact_only)
     else:
         mean_, var_ = _masked_real(x, mask, axes, ddof, exact_only)
-    shape = _m._out_shape(x.shape, axes, keepdims)
+    shape = out_shape(x.shape, axes, keepdims)
     return mean_.reshape(shape), var_.reshape(shape)
 
 

@@ -35,7 +35,7 @@ from jax.interpreters import batching, mlir
 from jax_kernel import _native, _ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
-from moments_core._validate import canonical_axes, check_ddof
+from moments_core._validate import canonical_axes, check_ddof, out_shape
 from moments_core.native import layout as native_layout
 
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -75,12 +75,6 @@ def _layout(x, axes):
     if axes != tuple(range(ndim - len(axes), ndim)):
         x = jnp.transpose(x, kept + list(axes))
     return x.reshape(rest, n), 1
-
-
-def _out_shape(shape, axes, keepdims):
-    if keepdims:
-        return tuple(1 if a in axes else d for a, d in enumerate(shape))
-    return tuple(d for a, d in enumerate(shape) if a not in axes)
 
 
 def _exact_only():
@@ -157,7 +151,7 @@ def _concrete_moments(x, axes, keepdims, ddof, exact_only):
         means = [m.astype(work) for m in means]
         var = var.astype(work)
     mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
-    shape = _out_shape(x.shape, axes, keepdims)
+    shape = out_shape(x.shape, axes, keepdims)
     return mean.reshape(shape), var.reshape(shape)
 
 
@@ -283,7 +277,7 @@ def stats(x, axes, ddof, lo=True, exact_only=False, undecided=False, native=None
         x64=bool(jax.config.jax_enable_x64),
     )
     means, var, count, lows = outs[:k], outs[k], outs[k + 1], outs[k + 2 :]
-    shape = _out_shape(x.shape, axes, False)
+    shape = out_shape(x.shape, axes, False)
     mean = means[0] if len(means) == 1 else lax.complex(means[0], means[1])
     mean_lo = None
     if lo:
@@ -342,7 +336,7 @@ def _moments(x, axes, keepdims, ddof, exact_only, native=False):
         mean, _, var = stats(x, axes, ddof, False, exact_only, native=native)
     else:
         mean, var = _moments_real(x, axes, ddof, exact_only, native)
-    shape = _out_shape(x.shape, axes, keepdims)
+    shape = out_shape(x.shape, axes, keepdims)
     return mean.reshape(shape), var.reshape(shape)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax_kernel import _moments, _ops
 from moments_core import _state
 from moments_core._formats import FORMATS
-from moments_core._validate import canonical_axes, check_ddof
+from moments_core._validate import canonical_axes, check_ddof, out_shape
 
 __all__ = ["MomentsState", "accumulate_state", "merge_states", "moments_state", "state_moments"]
 
@@ -99,7 +99,7 @@ def _check_state(state, fn, arg):
 def _state_values(x, where, axes):
     parts, axis, fmt, _ = _moments._kernel_parts(x, axes)
     layout = _state.Layout(fmt, len(parts))
-    kept = _moments._out_shape(x.shape, axes, False)
+    kept = out_shape(x.shape, axes, False)
     with jax.enable_x64(True):
         rows = [p.astype(np.float64) for p in parts]
         rows = [r if axis == 1 else r.T for r in rows]

@@ -6,7 +6,7 @@ static tf.Tensor `axes` to a numpy array before calling `canonical_axes`.
 
 import numpy as np
 
-__all__ = ["canonical_axes", "check_ddof"]
+__all__ = ["canonical_axes", "check_ddof", "out_shape"]
 
 _MAX_REPR = 200
 
@@ -106,3 +106,11 @@ def check_ddof(ddof, fn="moments"):
     if not _is_int(ddof) or ddof < 0:
         raise ValueError(f"{fn}: ddof must be a non-negative int; got ddof={_show(ddof)}")
     return int(ddof)
+
+
+def out_shape(shape, axes, keepdims):
+    """The shape of the statistics of an input of `shape` over canonical `axes`: the
+    reduced dimensions dropped (kept as 1 with keepdims); other dimensions as given."""
+    if keepdims:
+        return tuple(1 if a in axes else d for a, d in enumerate(shape))
+    return tuple(d for a, d in enumerate(shape) if a not in axes)

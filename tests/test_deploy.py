@@ -19,21 +19,26 @@ ROOT = Path(__file__).resolve().parents[1]
 LOADER = ROOT / "tests" / "_deploy_load.py"
 
 
+def _python(args, cwd, **env):
+    """Run a Python script in a fresh process (env: variables set, or removed with None)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+    env = {k: v for k, v in env.items() if v is not None}
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _serve(kind, artifact, x, tmp_path):
     """Outputs of the artifact, served by a process without the package."""
     source, target = tmp_path / "x.npy", tmp_path / "out.npz"
     np.save(source, x)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [sys.executable, str(LOADER), kind, str(artifact), str(source), str(target)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _python([LOADER, kind, artifact, source, target], tmp_path, PYTHONPATH=None)
     with np.load(target) as out:
         return [out[f"out_{i}"] for i in range(len(out.files))]
 
@@ -164,18 +169,9 @@ def test_keras_jax_model_export_serves_without_the_package(tmp_path):
     x = _data((32, 8))
     source, artifact, live = tmp_path / "in.npy", tmp_path / "exported", tmp_path / "live.npy"
     np.save(source, x)
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="2")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     script = ROOT / "tests" / "_deploy_keras_jax.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(source), str(artifact), str(live)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _python([script, source, artifact, live], ROOT, KERAS_BACKEND="jax", PYTHONPATH=path)
     (out,) = _serve("savedmodel", artifact, x, tmp_path)
     # As for the TF export: certified statistics, the layers' arithmetic after them
     # evaluated by another compiler (measured: 94% of the outputs the same bits, the

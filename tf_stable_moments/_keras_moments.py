@@ -22,6 +22,8 @@ in keras.  On the JAX backend it raises NotImplementedError, as keras does.
 import keras
 import numpy as np
 
+from moments_core._validate import canonical_axes, out_shape
+
 __all__ = ["keras_moments"]
 
 
@@ -63,16 +65,6 @@ def _jax_moments(x, axes, keepdims, synchronized):
     return jax_kernel.moments(x, axes, keepdims)
 
 
-def _reduced_shape(shape, axes, keepdims):
-    """The shape of the moments of an input of `shape` (None for unknown dimensions)."""
-    rank = len(shape)
-    axes = [axes] if isinstance(axes, int) else list(axes)
-    reduced = {a % rank for a in axes} if rank else set()
-    if keepdims:
-        return tuple(1 if i in reduced else d for i, d in enumerate(shape))
-    return tuple(d for i, d in enumerate(shape) if i not in reduced)
-
-
 class _Moments(keras.Operation):
     """keras_moments as a Keras operation: on a KerasTensor (a functional model being
     built) it records the call and returns KerasTensors of the output shape and dtype,
@@ -89,7 +81,8 @@ class _Moments(keras.Operation):
         dtype = keras.backend.standardize_dtype(x.dtype)
         if "int" in dtype or dtype == "bool":
             dtype = keras.config.floatx()
-        shape = _reduced_shape(x.shape, self.axes, self.keepdims)
+        axes = canonical_axes(self.axes, len(x.shape))
+        shape = out_shape(x.shape, axes, self.keepdims)
         return keras.KerasTensor(shape, dtype=dtype), keras.KerasTensor(shape, dtype=dtype)
 
 

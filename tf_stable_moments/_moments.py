@@ -19,7 +19,7 @@ from tensorflow.python.eager import record as _record
 
 from moments_core import _kernel
 from moments_core._formats import FORMATS
-from moments_core._validate import canonical_axes, check_ddof
+from moments_core._validate import canonical_axes, check_ddof, out_shape
 from tf_stable_moments import _native, _ops
 from tf_stable_moments._xla_context import in_xla_context
 
@@ -93,11 +93,7 @@ def _layout(x, axes):
 
 
 def _out_shape(x, axes, keepdims):
-    dims = _dims(x)
-    if keepdims:
-        shape = [1 if a in axes else d for a, d in enumerate(dims)]
-    else:
-        shape = [d for a, d in enumerate(dims) if a not in axes]
+    shape = out_shape(_dims(x), axes, keepdims)
     return tf.stack(shape) if any(tf.is_tensor(d) for d in shape) else shape
 
 

@@ -54,41 +54,82 @@ def _work(x, dtype):
     return jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
 
 
-def _centred(mdl, x, mask, axes):
-    """_centre of x in the statistics dtype, over the module's axis_name (not while
-    initializing: the named axis need not exist then, as in Flax)."""
-    x = jnp.asarray(x, _work(x, mdl.dtype))
+def _centred(x, mask, axes, dtype, axis_name=None, index_groups=None):
+    """_centre of x in the statistics dtype, over axis_name (within index_groups)."""
+    x = jnp.asarray(x, _work(x, dtype))
     if mask is not None:
         mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
-    axis_name = None if mdl.is_initializing() else mdl.axis_name
     groups = None
-    if axis_name is not None and mdl.axis_index_groups is not None:
-        groups = tuple(tuple(int(i) for i in g) for g in mdl.axis_index_groups)
+    if axis_name is not None and index_groups is not None:
+        groups = tuple(tuple(int(i) for i in g) for g in index_groups)
     return _centre(x, mask, axes, axis_name, groups)
 
 
-def _scale_shift(mdl, x, r, var, feature_axes):
-    """y = r * (rsqrt(var + epsilon) * scale) + bias, with Flax's parameters and result
-    dtype (var already expanded to broadcast against r)."""
+def _group_axes(ndim, reduction_axes):
+    """GroupNorm's reduction axes: given, or all but the first (the batch); the last
+    (the features) must be among them."""
+    given = reduction_axes
+    if reduction_axes is None:
+        reduction_axes = list(range(1, ndim - 1)) + [-1]
+    axes = _axes(ndim, reduction_axes)
+    if axes[-1] != ndim - 1:
+        raise ValueError(
+            "GroupNorm: the reduction axes must include the last (feature) axis; got "
+            f"reduction_axes={given!r} for an input of rank {ndim}"
+        )
+    return axes
+
+
+def _grouped(x, mask, reduction_axes, groups, centred):
+    """GroupNorm's (r, var): the statistics of each group of consecutive channels over
+    reduction_axes (`centred(x, mask, axes)`), r shaped like x and var broadcast to it."""
+    size = x.shape[-1] // groups
+    shape = x.shape[:-1] + (groups, size)
+    if mask is not None:
+        mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
+    axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
+    r, _, var = centred(x.reshape(shape), mask, axes)
+    var = jnp.repeat(_expand(var, axes), size, axis=-1)  # [.., groups, size]
+    kept = [1 if a in reduction_axes[:-1] else x.shape[a] for a in range(x.ndim)]
+    return r.reshape(x.shape), var.reshape(kept)
+
+
+def _apply(x, r, var, scale, bias, feature_axes, dtype, epsilon):
+    """y = r * (rsqrt(var + epsilon) * scale) + bias in Flax's result dtype (var already
+    broadcast against r; scale and bias None where unused, else of the feature shape)."""
     feature_shape = [1] * x.ndim
-    reduced = []
     for a in feature_axes:
         feature_shape[a] = x.shape[a]
-        reduced.append(x.shape[a])
-    mul = jax.lax.rsqrt(var + mdl.epsilon)
+    mul = jax.lax.rsqrt(var + epsilon)
     args = [x]
-    if mdl.use_scale:
-        scale = mdl.param("scale", mdl.scale_init, reduced, mdl.param_dtype)
+    if scale is not None:
         scale = scale.reshape(feature_shape)
         mul = mul * scale
         args.append(scale)
     y = r * mul
-    if mdl.use_bias:
-        bias = mdl.param("bias", mdl.bias_init, reduced, mdl.param_dtype)
+    if bias is not None:
         bias = bias.reshape(feature_shape)
         y = y + bias
         args.append(bias)
-    return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=mdl.dtype))
+    return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=dtype))
+
+
+def _linen_centred(mdl, x, mask, axes):
+    """`_centred` over the module's axis_name, except while initializing (the named axis
+    need not exist then, as in Flax)."""
+    axis_name = None if mdl.is_initializing() else mdl.axis_name
+    return _centred(x, mask, axes, mdl.dtype, axis_name, mdl.axis_index_groups)
+
+
+def _scale_shift(mdl, x, r, var, feature_axes):
+    """`_apply` with the module's parameters (created here: Flax's names, shapes, dtypes)."""
+    reduced = [x.shape[a] for a in feature_axes]
+    scale = bias = None
+    if mdl.use_scale:
+        scale = mdl.param("scale", mdl.scale_init, reduced, mdl.param_dtype)
+    if mdl.use_bias:
+        bias = mdl.param("bias", mdl.bias_init, reduced, mdl.param_dtype)
+    return _apply(x, r, var, scale, bias, feature_axes, mdl.dtype, mdl.epsilon)
 
 
 class BatchNorm(nn.BatchNorm):
@@ -104,15 +145,12 @@ class BatchNorm(nn.BatchNorm):
         feature_shape = [x.shape[a] for a in feature_axes]
         ra_mean = self.variable("batch_stats", "mean", jnp.zeros, feature_shape, jnp.float32)
         ra_var = self.variable("batch_stats", "var", jnp.ones, feature_shape, jnp.float32)
-        work = _work(x, self.dtype)
         if use_running_average:
-            mean = _expand(ra_mean.value.reshape(-1), reduction_axes).reshape(
-                [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
-            )
-            var = jnp.reshape(ra_var.value, mean.shape)
-            r = jnp.asarray(x, work) - mean
+            stats_shape = [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
+            var = ra_var.value.reshape(stats_shape)
+            r = jnp.asarray(x, _work(x, self.dtype)) - ra_mean.value.reshape(stats_shape)
         else:
-            r, mean, var = _centred(self, x, mask, reduction_axes)
+            r, mean, var = _linen_centred(self, x, mask, reduction_axes)
             if not self.is_initializing():
                 ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
                 ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
@@ -126,7 +164,7 @@ class LayerNorm(nn.LayerNorm):
     @compact
     def __call__(self, x, *, mask=None):
         reduction_axes = _axes(x.ndim, self.reduction_axes)
-        r, _, var = _centred(self, x, mask, reduction_axes)
+        r, _, var = _linen_centred(self, x, mask, reduction_axes)
         feature_axes = _axes(x.ndim, self.feature_axes)
         return _scale_shift(self, x, r, _expand(var, reduction_axes), feature_axes)
 
@@ -136,16 +174,7 @@ class GroupNorm(nn.GroupNorm):
 
     @compact
     def __call__(self, x, *, mask=None):
-        if self.reduction_axes is not None:
-            reduction_axes = self.reduction_axes
-        else:
-            reduction_axes = list(range(1, x.ndim - 1)) + [-1]
-        reduction_axes = _axes(x.ndim, reduction_axes)
-        if reduction_axes[-1] != x.ndim - 1:
-            raise ValueError(
-                "GroupNorm: the reduction axes must include the last (feature) axis; got "
-                f"reduction_axes={self.reduction_axes!r} for an input of rank {x.ndim}"
-            )
+        reduction_axes = _group_axes(x.ndim, self.reduction_axes)
         if (self.num_groups is None) == (self.group_size is None):
             raise ValueError(
                 "GroupNorm: give exactly one of num_groups and group_size (to give "
@@ -166,17 +195,5 @@ class GroupNorm(nn.GroupNorm):
             raise ValueError(
                 f"GroupNorm: num_groups={groups!r} does not divide the {channels} channels"
             )
-        size = channels // groups
-        shape = x.shape[:-1] + (groups, size)
-        if mask is not None:
-            mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
-        axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
-        r, _, var = _centred(self, x.reshape(shape), mask, axes)
-        var = jnp.repeat(_expand(var, axes), size, axis=-1)  # [.., groups, size]
-        return _scale_shift(
-            self,
-            x,
-            r.reshape(x.shape),
-            var.reshape([x.shape[a] if a not in reduction_axes[:-1] else 1 for a in range(x.ndim)]),
-            (x.ndim - 1,),
-        )
+        r, var = _grouped(x, mask, reduction_axes, groups, lambda *a: _linen_centred(self, *a))
+        return _scale_shift(self, x, r, var, (x.ndim - 1,))

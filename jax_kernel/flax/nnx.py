@@ -15,44 +15,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
-from flax.nnx.nn import dtypes as _dtypes
 
-from jax_kernel._centre import centre as _centre
 from jax_kernel._centre import expand as _expand
-from jax_kernel.flax.linen import _axes, _work
+from jax_kernel.flax.linen import _apply, _axes, _centred, _group_axes, _grouped, _work
 
 __all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
 
 
-def _centred(module, x, mask, axes):
-    """_centre of x in the statistics dtype (at least float32), over the module's
-    axis_name."""
-    x = jnp.asarray(x, _work(x, module.dtype))
-    if mask is not None:
-        mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
-    groups = module.axis_index_groups
-    if groups is not None:
-        groups = tuple(tuple(int(i) for i in g) for g in groups)
-    return _centre(x, mask, axes, module.axis_name, groups)
-
-
-def _scale_shift(x, r, var, scale, bias, feature_axes, dtype, epsilon):
-    """y = r * (rsqrt(var + epsilon) * scale) + bias, in Flax's result dtype."""
-    feature_shape = [1] * x.ndim
-    for a in feature_axes:
-        feature_shape[a] = x.shape[a]
-    mul = jax.lax.rsqrt(var + epsilon)
-    args = [x]
-    if scale is not None:
-        scale = scale.reshape(feature_shape)
-        mul = mul * scale
-        args.append(scale)
-    y = r * mul
-    if bias is not None:
-        bias = bias.reshape(feature_shape)
-        y = y + bias
-        args.append(bias)
-    return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=dtype))
+def _nnx_centred(module, x, mask, axes):
+    return _centred(x, mask, axes, module.dtype, module.axis_name, module.axis_index_groups)
 
 
 def _params(module):
@@ -84,12 +55,12 @@ class BatchNorm(nnx.BatchNorm):
             r = jnp.asarray(x, _work(x, self.dtype)) - mean.reshape(stats_shape)
             var = var.reshape(stats_shape)
         else:
-            r, batch_mean, batch_var = _centred(self, x, mask, reduction_axes)
+            r, batch_mean, batch_var = _nnx_centred(self, x, mask, reduction_axes)
             stop = jax.lax.stop_gradient
             self.mean[...] = stop(self.momentum * self.mean[...] + (1 - self.momentum) * batch_mean)
             self.var[...] = stop(self.momentum * self.var[...] + (1 - self.momentum) * batch_var)
             var = _expand(batch_var, reduction_axes)
-        return _scale_shift(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
+        return _apply(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -99,37 +70,20 @@ class LayerNorm(nnx.LayerNorm):
         scale, bias = _params(self)
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
         reduction_axes = _axes(x.ndim, self.reduction_axes)
-        r, _, var = _centred(self, x, mask, reduction_axes)
+        r, _, var = _nnx_centred(self, x, mask, reduction_axes)
         feature_axes = _axes(x.ndim, self.feature_axes)
         var = _expand(var, reduction_axes)
-        return _scale_shift(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
+        return _apply(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
 
 
 class GroupNorm(nnx.GroupNorm):
     """flax.nnx.GroupNorm with correctly rounded statistics (module docstring)."""
 
     def __call__(self, x, *, mask=None):
-        if self.reduction_axes is not None:
-            reduction_axes = self.reduction_axes
-        else:
-            reduction_axes = list(range(1, x.ndim - 1)) + [-1]
-        reduction_axes = _axes(x.ndim, reduction_axes)
+        reduction_axes = _group_axes(x.ndim, self.reduction_axes)
         scale, bias = _params(self)
         x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        shape = x.shape[:-1] + (self.num_groups, self.group_size)
-        if mask is not None:
-            mask = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).reshape(shape)
-        axes = tuple(reduction_axes[:-1]) + (x.ndim,)  # the grouped input has one more axis
-        r, _, var = _centred(self, x.reshape(shape), mask, axes)
-        var = jnp.repeat(_expand(var, axes), self.group_size, axis=-1)
-        kept = [1 if a in reduction_axes[:-1] else x.shape[a] for a in range(x.ndim)]
-        return _scale_shift(
-            x,
-            r.reshape(x.shape),
-            var.reshape(kept),
-            scale,
-            bias,
-            (x.ndim - 1,),
-            self.dtype,
-            self.epsilon,
+        r, var = _grouped(
+            x, mask, reduction_axes, self.num_groups, lambda *a: _nnx_centred(self, *a)
         )
+        return _apply(x, r, var, scale, bias, (x.ndim - 1,), self.dtype, self.epsilon)

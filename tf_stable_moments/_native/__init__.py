@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
+from tensorflow.python.saved_model import save_context
 
 from moments_core.native import build, enabled
 from tf_stable_moments import _centre_grad
@@ -99,8 +100,6 @@ def portable_now():
     stack = getattr(_portable, "stack", None)
     if stack:
         return stack[-1]
-    from tensorflow.python.saved_model import save_context
-
     return save_context.in_save_context()
 
 
