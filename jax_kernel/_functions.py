@@ -111,7 +111,10 @@ def _masked_stats(x, mask, axes, ddof, lo, exact_only):
     """(mean, mean_lo or None, var) of the selected elements, shaped like the kept axes."""
     with jax.enable_x64(True):
         parts, valid, n, axis, fmt, work = _masked_parts(x, mask, axes)
-        means, var, _ = _kernel.slice_moments(_ops, parts, axis, ddof, fmt, n, exact_only, valid)
+        f32 = _kernel.f32_pairs()
+        means, var, _ = _kernel.slice_moments(
+            _ops, parts, axis, ddof, fmt, n, exact_only, valid, f32
+        )
         lows = None
         if lo:
             lows = [

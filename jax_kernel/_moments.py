@@ -123,11 +123,11 @@ def _kernel_parts(x, axes):
     return [p for p, _ in laid], laid[0][1], FORMATS[work.name], work
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _fast(x, axes, ddof, exact_only):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _fast(x, axes, ddof, exact_only, f32):
     parts, axis, fmt, _ = _kernel_parts(x, axes)
     with jax.enable_x64(True):
-        return _kernel.fast_moments(_ops, parts, axis, ddof, fmt, None, exact_only)
+        return _kernel.fast_moments(_ops, parts, axis, ddof, fmt, None, exact_only, None, f32)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -145,7 +145,8 @@ def _concrete_moments(x, axes, keepdims, ddof, exact_only):
     exact path)."""
     work = _compute_dtype(x.dtype)
     with jax.enable_x64(True):
-        means, var, todo, sums = _fast(x, axes, ddof, exact_only)
+        f32 = _kernel.f32_pairs(_native.concrete_platform(x))
+        means, var, todo, sums = _fast(x, axes, ddof, exact_only, f32)
         if bool(jnp.any(todo)):
             means, var = _exact(x, axes, ddof, todo, means, var, sums)
         means = [m.astype(work) for m in means]
@@ -168,7 +169,7 @@ def _mean_lo_parts(x, axes, ddof, means, var):
         return [_ops.materialize(v) for v in lows]  # used per element by the layers
 
 
-def _kernel_outputs(x, axes, ddof, lo, exact_only, native):
+def _kernel_outputs(x, axes, ddof, lo, exact_only, native, f32=False):
     """The flat outputs of `_stats_p`: means (one per real part), var, the undecided
     count (int32), and with lo mean_lo per part, all flat over the kept axes."""
     if native:
@@ -177,7 +178,7 @@ def _kernel_outputs(x, axes, ddof, lo, exact_only, native):
         parts, axis, fmt, work = _kernel_parts(x, axes)
         with jax.enable_x64(True):
             means, var, count = _kernel.slice_moments(
-                _ops, parts, axis, ddof, fmt, None, exact_only
+                _ops, parts, axis, ddof, fmt, None, exact_only, None, f32
             )
             means = [m.astype(work) for m in means]
             var = var.astype(work)
@@ -203,7 +204,7 @@ def _stats_abstract(x, *, axes, ddof, lo, exact_only, native, x64):
 
 
 _kernel_outputs_jit = jax.jit(
-    _kernel_outputs, static_argnames=("axes", "ddof", "lo", "exact_only", "native")
+    _kernel_outputs, static_argnames=("axes", "ddof", "lo", "exact_only", "native", "f32")
 )
 
 
@@ -211,12 +212,13 @@ _kernel_outputs_jit = jax.jit(
 def _stats_impl(x, *, native, x64, **params):
     """A concrete array (outside jit, or under jax.disable_jit): the kernel of its
     platform, compiled once per variant (op by op under disable_jit)."""
-    native = native and _native.concrete_platform(x) == "cpu"
+    platform = _native.concrete_platform(x)
+    native = native and platform == "cpu"
     with jax.enable_x64(x64):
-        return _kernel_outputs_jit(x, native=native, **params)
+        return _kernel_outputs_jit(x, native=native, f32=_kernel.f32_pairs(platform), **params)
 
 
-def _stats_lowering(native_here):
+def _stats_lowering(platform):
     def lower(ctx, x, *, axes, ddof, lo, exact_only, native, x64):
         fn = functools.partial(
             _kernel_outputs,
@@ -224,7 +226,8 @@ def _stats_lowering(native_here):
             ddof=ddof,
             lo=lo,
             exact_only=exact_only,
-            native=native and native_here and not _native.for_export(ctx),
+            native=native and platform == "cpu" and not _native.for_export(ctx),
+            f32=_kernel.f32_pairs(platform),
         )
         # Traced with the 64-bit mode of the bind (a caller's enable_x64 has ended when
         # XLA lowers), so that the outputs have the dtypes of `_stats_abstract`.
@@ -234,8 +237,9 @@ def _stats_lowering(native_here):
     return lower
 
 
-mlir.register_lowering(_stats_p, _stats_lowering(False))
-mlir.register_lowering(_stats_p, _stats_lowering(True), platform="cpu")
+mlir.register_lowering(_stats_p, _stats_lowering(None))  # GPUs: float64 sums
+for _platform in ("cpu", "tpu"):
+    mlir.register_lowering(_stats_p, _stats_lowering(_platform), platform=_platform)
 
 
 def _stats_batch(args, dims, *, axes, **params):

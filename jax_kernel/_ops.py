@@ -188,6 +188,13 @@ def pair_sums_min(a, b, c, axis):
     return lax.reduce((a, z, b, z, c), inits, _pairs_min, (axis,))
 
 
+def variadic(arrays, inits, fn, axis):
+    """fn's reduction of `arrays` along axis (one variadic reduction, any order): fn
+    takes two tuples like `arrays` and returns one."""
+    inits = tuple(np.array(v, a.dtype) for v, a in zip(inits, arrays))
+    return list(lax.reduce(tuple(arrays), inits, fn, (axis,)))
+
+
 def scatter(v, idx, new):
     return v.at[idx].set(new)
 

@@ -14,6 +14,7 @@ path of section 7 (`_exact.py`), in batches of BATCH slices in a while loop, so
 the common case pays one check.
 """
 
+import os
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -247,20 +248,38 @@ def approximate(ops, x, magnitude, first, axis, c, fmt, w=None):
     # S2 = sum y**2 of the exact differences y = x - K: each y and y**2 rounds once,
     # the sum of n terms in any order has error gamma_(n-1) sum|t| (all t >= 0).
     b_up = s2 * (1.0 + 2.0 * g2) * MARGIN
-    # Exact sums: every x is a multiple of q, the unit in the last place of the
-    # smallest nonzero |x| in its format; if sum y**2 <= 2**52 q**2 and
-    # sum |y| <= sqrt(n sum y**2) <= 2**52 q, every y, y**2 and every partial
-    # sum, in any order, is an integer multiple of q (q**2) below 2**53 of them:
-    # no rounding happened, s1 and s2 are exact (used by the exact path).
-    unit = pow2(ops, ops.minimum(exponent(ops, smallest), 1000) - (fmt.precision - 1))
-    exact = ops.isfinite(smallest) & (b_up <= 2.0**52 * unit * unit)
-    exact = exact & (n * b_up <= 2.0**104 * unit * unit) & ~bad
     a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
-    # s1 alone is exact when sum |y| <= 2**52 q (every |y| and every partial sum of y is
-    # then a multiple of q below 2**53 of them), whatever the squares do.
-    exact_mean = ops.isfinite(smallest) & (a_abs <= 2.0**52 * unit) & ~bad
+    unit, exact, exact_mean = _lattice(ops, smallest, b_up, a_abs, n, bad, fmt, 52)
     d2 = ops.where(exact, 0.0, g2 * b_up)
     d1 = ops.where(exact_mean, 0.0, g1 * a_abs * MARGIN)
+    approx = _from_sums(ops, k, s1, s2, d1, d2, c)
+    approx = approx._replace(sums=(k, s1, s2), exact=exact, grid=unit, exact_mean=exact_mean)
+    return approx, bad
+
+
+def _lattice(ops, smallest, b_up, a_abs, n, bad, fmt, bits, qmin=0.0):
+    """(q, exact, exact_mean): where the sums are exact, for sums that are exact on
+    multiples of q below 2**bits q (float64: 52; float32 pairs: 45, section 4b).
+
+    Every x is a multiple of q, the unit in the last place of the smallest nonzero |x|
+    in its format; if sum y**2 <= 2**bits q**2 and sum |y| <= sqrt(n sum y**2) <=
+    2**bits q, every y, y**2 and every partial sum, in any order, is an integer
+    multiple of q (q**2) below 2**bits of them: no rounding happened, s1 and s2 are
+    exact (used by the exact path and the tie test of `certify`).  s1 alone is exact
+    when sum |y| <= 2**bits q, whatever the squares do.  qmin: the smallest q (and
+    q**2) for which no multiple is flushed.
+    """
+    unit = pow2(ops, ops.minimum(exponent(ops, smallest), 1000) - (fmt.precision - 1))
+    lattice = ops.isfinite(smallest) & ~bad & (unit >= qmin)
+    exact = lattice & (b_up <= 2.0**bits * unit * unit) & (unit * unit >= qmin)
+    exact = exact & (n * b_up <= 2.0 ** (2 * bits) * unit * unit)
+    exact_mean = lattice & (a_abs <= 2.0**bits * unit)
+    return unit, exact, exact_mean
+
+
+def _from_sums(ops, k, s1, s2, d1, d2, c):
+    """Approx from the float64 sums s1 ~ A = sum (x - K), s2 ~ B = sum (x - K)**2 and
+    bounds |s1 - A| <= d1, |s2 - B| <= d2: mean = K + A / n, num = B - A**2 / n."""
     t = s1 * c.rn[0]
     mean = k + t
     mean_err = ((d1 + 3.0 * U * ops.abs(s1)) * c.rn[0] * MARGIN + U * ops.abs(t)) * MARGIN
@@ -270,8 +289,182 @@ def approximate(ops, x, magnitude, first, axis, c, fmt, w=None):
     num = s2 - corr
     num_err = (d2 + d_corr + U * ops.abs(num)) * MARGIN
     zero = ops.zeros_like(num)
-    approx = Approx((mean, zero), mean_err, (num, zero), num_err, (k, s1, s2), exact, unit)
-    approx = approx._replace(exact_mean=exact_mean)
+    return Approx((mean, zero), mean_err, (num, zero), num_err)
+
+
+# ---------------------------------------------------------------- float32 pairs (section 4b)
+def f32_pairs(platform=None):
+    """Whether the fast path sums float32/float16/bfloat16 input in float32 pairs on
+    `platform` ("cpu", "cuda", "rocm", "tpu"; None: not known while tracing).
+
+    TF_STABLE_MOMENTS_F32_PAIRS=1 (0) forces the pairs on (off) everywhere; otherwise
+    they serve TPUs, which have no float64 hardware.  CPUs and GPUs with float64 sum it
+    faster (measured on this CPU: float64 0.15-0.56x the time of the pairs).  Either
+    way the certificate is the same, and so are the results.
+    """
+    forced = os.environ.get("TF_STABLE_MOMENTS_F32_PAIRS", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return platform == "tpu"
+
+
+U32 = 2.0**-24  # unit roundoff of float32
+ETA = 2.0**-126  # the most a float32 operation can lose to flushing a tiny result to 0
+STAGE = 4  # terms per reduction stage of the float32-pair sums
+DYNAMIC_STAGES = 6  # stages of STAGE terms for a length unknown while tracing
+LEAF = 10.2  # |qh + ql - y**2| <= LEAF u32**2 y**2 (`square32`; 0.1 for flushing, 4b)
+NODE = 3.01  # a pair addition errs by at most NODE u32**2 (|h0| + |h1|) (`pair_add32`)
+FLUSH = 64.0  # per term: what flushing can lose, in units of ETA (section 4b)
+
+
+def split32(ops, a):
+    """a == hi + lo for float32 a, hi rounded to 12 significant bits by integer
+    operations on its bits: the products of halves are exact (at most 24 bits)."""
+    bits = ops.bitcast(a, "int32")
+    hi = ops.bitcast(ops.cast(ops.band(bits + (1 << 11), -(1 << 12)), "int32"), "float32")
+    return hi, a - hi
+
+
+def square32(ops, yh, yl):
+    """(qh, ql) ~ (yh + yl)**2 for a float32 pair with |yl| <= u32 |yh|.
+
+    yh**2 = ah**2 + 2 ah al + al**2 exactly (split32); (qh, q1) = TwoSum of the first
+    two (exact products); ql adds q1, al**2 (exact) and 2 yh yl (one rounding) and drops
+    yl**2 <= u32**2 y**2.  Every product is of halves (exact) or the small 2 yh yl, so a
+    compiler's contraction of a product into an addition (an FMA) only removes a
+    rounding.  Error: 2 yh yl rounds by <= 2 u32**2 yh**2, the two additions by
+    <= 3 and 4 u32**2 yh**2, the dropped term <= u32**2 y**2: LEAF u32**2 y**2.
+    """
+    ah, al = split32(ops, yh)
+    qh, q1 = two_sum(ah * ah, (ah + ah) * al)
+    return fast_two_sum(qh, q1 + (al * al + (yh + yh) * yl))
+
+
+def pair_add32(h0, l0, h1, l1, flip=False):
+    """A renormalised pair sum: (s, e) = TwoSum(h0, h1), then TwoSum(s, e + (l0 + l1)).
+
+    Only t = fl(e + fl(l0 + l1)) rounds: with |l_i| <= u32 |h_i| and |e| <= u32 |s|,
+    the error is at most u32 (|l0| + |l1|) + u32 |t| <= NODE u32**2 (|h0| + |h1|), and
+    the output is normalised again (|l| <= u32 |h|).  flip swaps the operands of the
+    first TwoSum (the same values, another computation: see `pair_sums32`).
+    """
+    s, e = two_sum(h1, h0) if flip else two_sum(h0, h1)
+    return two_sum(s, e + (l0 + l1))
+
+
+def _pairs_min32(ops, flip):
+    def combine(a, b):
+        (h0, l0, g0, m0, c0), (h1, l1, g1, m1, c1) = a, b
+        first = pair_add32(h0, l0, h1, l1, flip)
+        second = pair_add32(g0, m0, g1, m1, flip)
+        return (*first, *second, ops.minimum(c0, c1))
+
+    return combine
+
+
+def pair_sums32(ops, arrays, axis):
+    """(h1, l1, h2, l2, smallest, depth): two sums of float32 pairs and a minimum along
+    `axis` of 2-D arrays (h1, l1, h2, l2, c), reduced in stages of at most STAGE terms.
+
+    Each stage is one variadic reduction of unknown order over groups of STAGE
+    consecutive terms (the last stage over what is left), with `pair_add32`: a term
+    passes through at most m - 1 additions of a reduction of m terms.  Section 4b,
+    "Depth": with D the sum over the stages of (terms per group - 1), the error of a
+    sum of pairs T_i is at most NODE D u32**2 sum |T_i| (each addition errs by NODE
+    u32**2 times the magnitudes it adds; the magnitudes under one addition sum to at
+    most sum |T_i|; a term is under at most D of them).  Consecutive stages apply
+    different computations (`pair_add32`'s flip), so that XLA cannot merge two
+    reductions into one of more terms.  Padding (a length not a multiple of STAGE, or
+    unknown while tracing: DYNAMIC_STAGES stages) appends exact zero pairs and inf,
+    which change nothing.  (Explicit halving trees of elementwise additions would
+    count log2 STAGE per stage, but XLA's CPU fusion recomputes their shared operands:
+    measured 4.6x slower than these reductions on float32 [65536, 64].)
+    """
+    n = ops.shape(arrays[0], axis)
+    static = isinstance(n, int)
+    inits = (0.0, 0.0, 0.0, 0.0, float("inf"))
+    depth, flip, stage = 0.0, False, 0
+    while (static and n > STAGE) or (not static and stage < DYNAMIC_STAGES):
+        full = -(-n // STAGE) if static else (n + (STAGE - 1)) // STAGE
+        kept = ops.shape(arrays[0], 1 - axis)
+        shape = [full, STAGE, kept] if axis == 0 else [kept, full, STAGE]
+        padded = [ops.pad(t, axis, full * STAGE - n, v) for t, v in zip(arrays, inits)]
+        arrays = ops.variadic(
+            [ops.reshape(t, shape) for t in padded], inits, _pairs_min32(ops, flip), axis + 1
+        )
+        depth, flip, stage, n = depth + (STAGE - 1), not flip, stage + 1, full
+    arrays = ops.variadic(arrays, inits, _pairs_min32(ops, flip), axis)
+    last = float(n - 1) if static else ops.cast(ops.maximum(n, 1) - 1, "float64")
+    return (*arrays, depth + last)
+
+
+def flush32(ops, x, fmt):
+    """x as float32 (exact for the formats of precision <= 24), inputs below the
+    format's normal range replaced by 0."""
+    x = ops.cast(x, "float32")
+    return ops.where(ops.abs(x) < 2.0**fmt.emin, ops.zeros_like(x), x)
+
+
+def scale32(ops, size, axis):
+    """(sigma, k): sigma = 2**k = 2**(40 - e) per slice, e = floor(log2 max |x|) (from
+    size = |x|), within float32's normal range: the scaled inputs and differences lie
+    below 2**42 in magnitude (their squares and sums far from overflow) and far above
+    the flushing threshold unless tiny beside the largest |x| (section 4b)."""
+    top = ops.bitcast(ops.max(size, axis), "int32")
+    e = ops.band(ops.shr(top, 23), 0xFF) - 127
+    k = ops.minimum(ops.maximum(40 - e, -126), 127)
+    return ops.bitcast(ops.cast(ops.shl(k + 127, 23), "int32"), "float32"), k
+
+
+def approximate32(ops, x, first, axis, c, fmt):
+    """As `approximate` (without weights), summing in float32 pairs: x float32 [.., ..]
+    from `flush32`, first its first element per slice (keepdims).  Section 4b.
+
+    In units scaled by sigma (`scale32`, a power of two per slice), the shift is
+    K' = fl(K sigma) (the mean uses K = K' / sigma, the shift actually subtracted) and
+    y' = (yh, yl) = TwoSum(x sigma, -K') is exact but for flushing;
+    q = square32(y') within LEAF u32**2 y'**2;
+    the sums of `pair_sums32` err by NODE D u32**2 sum|T|; their float64 values h + l
+    by U |h + l| more.  Flushing (a float32 result below 2**-126 read as 0: CPUs under
+    TF and JAX, and accelerators) loses less than ETA per operation it touches: at
+    most FLUSH n ETA per sum in all (each term passes through fewer than 16
+    operations of its own and shares fewer than 16 per addition, of which there are
+    fewer than n).  Sums on a lattice are exact as in `approximate` (`_lattice`, 45
+    bits: a float32 pair holds every multiple of q below 2**48 q, and its additions
+    are exact below 2**46 q); a slice of zeros (smallest = inf) has exact zero sums.
+    """
+    size = ops.abs(x)
+    sigma, shift = scale32(ops, size, axis)
+    wide = ops.expand_dims(sigma, axis)
+    first = first * wide  # K' = fl(K sigma): exact but for flushing; K = K' / sigma below
+    yh, yl = two_sum(x * wide, -first)  # y' = x sigma - K', exact but for flushing
+    qh, ql = square32(ops, yh, yl)
+    mags = ops.where(ops.eq(size, 0.0), float("inf"), size)
+    h1, l1, h2, l2, smallest, depth = pair_sums32(ops, [yh, yl, qh, ql, mags], axis)
+    s1 = ops.cast(h1, "float64") + ops.cast(l1, "float64")
+    s2 = ops.cast(h2, "float64") + ops.cast(l2, "float64")
+    sigma = ops.cast(sigma, "float64")
+    smallest = ops.cast(smallest, "float64") * sigma  # in scaled units, as the sums
+    inverse = pow2(ops, -shift)  # 1 / sigma, exact (float64; no division)
+    k = ops.cast(ops.squeeze(first, axis), "float64") * inverse
+    n = c.nf
+    bad = ~ops.isfinite(s2) | ~ops.isfinite(s1) | ~ops.isfinite(ops.cast(l1 + l2, "float64"))
+    u2 = U32 * U32
+    g1 = (NODE * depth * u2 + U) * MARGIN
+    g2 = ((LEAF + NODE * depth * (1.0 + LEAF * u2)) * u2 + U) * MARGIN
+    flushed = FLUSH * n * ETA
+    b_up = (s2 + flushed) * (1.0 + 2.0 * g2) * MARGIN
+    a_abs = ops.sqrt(n * b_up) * MARGIN  # sum |y| <= sqrt(n sum y**2)
+    unit, exact, exact_mean = _lattice(ops, smallest, b_up, a_abs, n, bad, fmt, 45, ETA)
+    zeros = ops.eq(smallest, float("inf"))  # every x is 0: the sums are exact zeros
+    exact, exact_mean = exact | (zeros & ~bad), exact_mean | (zeros & ~bad)
+    d2 = ops.where(exact, 0.0, (g2 * b_up + flushed) * MARGIN)
+    d1 = ops.where(exact_mean, 0.0, (g1 * a_abs + flushed) * MARGIN)
+    # Back to the data's units: exact products with 1 / sigma.
+    s1, d1, unit = s1 * inverse, d1 * inverse, unit * inverse
+    s2, d2 = s2 * inverse * inverse, d2 * inverse * inverse
+    approx = _from_sums(ops, k, s1, s2, d1, d2, c)
+    approx = approx._replace(sums=(k, s1, s2), exact=exact, grid=unit, exact_mean=exact_mean)
     return approx, bad
 
 
@@ -468,7 +661,7 @@ def first_element(ops, x, axis, dynamic=False):
     return ops.sum(k, axis, keepdims=True) if dynamic else k
 
 
-def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None):
+def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None, f32=False):
     """Correctly rounded means (one per part) and variance of the slices of 2-D arrays.
 
     parts: one real array, or the real and imaginary parts of a complex one, in
@@ -482,10 +675,12 @@ def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=No
       2**40).  The caller replaces every unselected (weight 0) element by the
       slice's first selected one (0 where none is), so that the first element
       K is selected and the others contribute exact zeros to the fast sums.
+    f32: the fast path sums in float32 pairs (section 4b) where it applies (formats of
+      precision <= 24, no weights); the same certificate, the same results.
     Returns (means, var, undecided): float64 arrays of the kept length holding
     values of `fmt` exactly, and the number of slices the fast path left open.
     """
-    means, var, todo, sums = fast_moments(ops, parts, axis, ddof, fmt, n, exact_only, mask)
+    means, var, todo, sums = fast_moments(ops, parts, axis, ddof, fmt, n, exact_only, mask, f32)
     undecided = ops.sum(ops.cast(todo, "int64"), 0)
     means, var = exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums, mask)
     return means, var, undecided
@@ -498,7 +693,7 @@ def _weights(mask):
     return mask
 
 
-def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None):
+def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None, f32=False):
     """The fast path and its rounding test: (means, var, todo, sums), todo marking the
     slices it did not decide (their values are meaningless until `exact_fix`), sums
     what `exact_fix` can round exactly without the elements (float64 sums only).
@@ -512,13 +707,18 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         nan = ops.zeros([ops.shape(parts[0], 1 - axis)], "float64") + float("nan")
         return [nan for _ in parts], nan, ops.eq(nan, 0.0), []
     pairs = not fmt.wide
+    f32 = f32 and not pairs and weights is None
     if pairs:
         xs = [flush(ops, p, fmt) for p in parts]
+    elif f32:
+        xs = [flush32(ops, p, fmt) for p in parts]
     else:
         xs, mags = zip(*(flush(ops, p, fmt, magnitude=True) for p in parts))
     firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
     if pairs:
         approx = [approximate_pairs(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
+    elif f32:
+        approx = [approximate32(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
     else:
         w = None if weights is None else ops.cast(weights, "float64")
         approx = [approximate(ops, *a, axis, c, fmt, w) for a in zip(xs, mags, firsts)]

@@ -166,7 +166,9 @@ def _weighted_kernel(ops, x, w, axis, fmt):
     k = tf.reduce_sum(tf.where(tf.equal(index, first), x, tf.zeros_like(x)), axis, keepdims=True)
     k = tf.where(tf.expand_dims(total > 0, axis), k, tf.zeros_like(k))
     x = tf.where(valid, x, k)
-    means, var, _ = _kernel.slice_moments(ops, [x], axis, 0, fmt, total, False, weights)
+    means, var, _ = _kernel.slice_moments(
+        ops, [x], axis, 0, fmt, total, False, weights, _kernel.f32_pairs()
+    )
     empty = tf.equal(total, 0)
     mean = tf.where(empty, tf.zeros_like(means[0]), means[0])
     var = tf.where(empty, tf.zeros_like(var), var)

@@ -106,7 +106,10 @@ def _kernel_outputs(ops, parts, axis, ddof, n=None, lo=False, exact_only=False):
     """(mean per part, var, [mean_lo], undecided) in the parts' dtype: the kernel itself."""
     dtype = parts[0].dtype
     fmt = FORMATS[dtype.name]
-    means, var, undecided = _kernel.slice_moments(ops, parts, axis, ddof, fmt, n, exact_only)
+    f32 = _kernel.f32_pairs()
+    means, var, undecided = _kernel.slice_moments(
+        ops, parts, axis, ddof, fmt, n, exact_only, None, f32
+    )
     out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
     if lo:
         lows = [_kernel.mean_lo(ops, p, axis, m, var, ddof, fmt, n) for p, m in zip(parts, means)]
@@ -158,7 +161,7 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     def fast(*args):
         p, count, _ = split(args)
         means, var, todo, sums = _kernel.fast_moments(
-            _ops.XLA, p, axis, ddof, fmt, count, exact_only
+            _ops.XLA, p, axis, ddof, fmt, count, exact_only, None, _kernel.f32_pairs()
         )
         return (*means, var, todo, tf.reduce_sum(tf.cast(todo, tf.int64)), *sums)
 

@@ -221,6 +221,33 @@ def _variadic(arrays, inits, axis, fn):
     return out
 
 
+def _variadic_xla(arrays, inits, fn, axis):
+    """fn's reduction of `arrays` along axis as one XLA variadic reduction (any order):
+    fn takes two tuples like `arrays` and returns one.  The reducer is traced anew for
+    each graph (see `_variadic`)."""
+    k = len(arrays)
+    spec = [tf.TensorSpec([], a.dtype) for a in arrays]
+    inits = [tf.constant(v, a.dtype) for v, a in zip(inits, arrays)]
+    reducer = tf.function(lambda *v: tuple(fn(v[:k], v[k:])), autograph=False)
+    reducer = reducer.get_concrete_function(*spec, *spec)
+    return list(_xla.variadic_reduce(list(arrays), inits, [axis], reducer))
+
+
+def _variadic_tree(arrays, inits, fn, axis):
+    """fn's reduction of `arrays` along axis by halving (eager: static shapes)."""
+    size = arrays[0].shape[axis]
+    width = 1 << builtins.max(size - 1, 0).bit_length()
+    rank = len(arrays[0].shape)
+    pad = [[0, 0]] * rank
+    pad[axis] = [0, width - size]
+    arrays = [tf.pad(a, pad, constant_values=v) for a, v in zip(arrays, inits)]
+    while width > 1:
+        width //= 2
+        halves = [tf.split(a, 2, axis=axis) for a in arrays]
+        arrays = list(fn(tuple(h[0] for h in halves), tuple(h[1] for h in halves)))
+    return [tf.squeeze(a, axis) for a in arrays]
+
+
 def _pair_sum_xla(h, l, axis):
     """Compensated sum of pairs along axis (any order): see `_variadic`."""
     zero = tf.zeros([], h.dtype)
@@ -351,6 +378,7 @@ _COMMON = dict(
 )
 
 XLA = SimpleNamespace(
+    variadic=_variadic_xla,
     pair_sum=_pair_sum_xla,
     sums_min=_sums_min_xla,
     pair_sums_min=_pair_sums_min_xla,
@@ -359,6 +387,7 @@ XLA = SimpleNamespace(
     **_COMMON,
 )
 PLAIN = SimpleNamespace(
+    variadic=_variadic_tree,
     pair_sum=_pair_sum_tree,
     sums_min=_sums_min_plain,
     pair_sums_min=_pair_sums_min_plain,
