@@ -124,7 +124,7 @@ def _kernel_parts(x, axes):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _fast(x, axes, ddof, exact_only, f32):
+def _fast(x, axes, ddof, exact_only, f32=False):
     parts, axis, fmt, _ = _kernel_parts(x, axes)
     with jax.enable_x64(True):
         return _kernel.fast_moments(_ops, parts, axis, ddof, fmt, None, exact_only, None, f32)
