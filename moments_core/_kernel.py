@@ -448,7 +448,7 @@ def approximate32(ops, x, first, axis, c, fmt):
     inverse = pow2(ops, -shift)  # 1 / sigma, exact (float64; no division)
     k = ops.cast(ops.squeeze(first, axis), "float64") * inverse
     n = c.nf
-    bad = ~ops.isfinite(s2) | ~ops.isfinite(s1) | ~ops.isfinite(ops.cast(l1 + l2, "float64"))
+    bad = ~ops.isfinite(s2) | ~ops.isfinite(s1)  # h + l: a NaN or Inf in either shows
     u2 = U32 * U32
     g1 = (NODE * depth * u2 + U) * MARGIN
     g2 = ((LEAF + NODE * depth * (1.0 + LEAF * u2)) * u2 + U) * MARGIN

@@ -182,8 +182,7 @@ def _variadic(arrays, inits, axis, fn):
     concrete function belongs to the graph that traced it (no TensorFlow object is
     kept across graphs).
     """
-    spec = [tf.TensorSpec([], a.dtype) for a in arrays]
-    reducer = tf.function(fn, autograph=False).get_concrete_function(*spec, *spec)
+    reducer = _reducer(arrays, fn)
 
     def reduce(xs, axes):
         return list(_xla.variadic_reduce(xs, inits, axes, reducer))
@@ -221,15 +220,20 @@ def _variadic(arrays, inits, axis, fn):
     return out
 
 
+def _reducer(arrays, fn):
+    """fn (scalars of `arrays`' dtypes, twice, flat) as the concrete function of a
+    variadic reduction, traced in the current graph."""
+    spec = [tf.TensorSpec([], a.dtype) for a in arrays]
+    return tf.function(fn, autograph=False).get_concrete_function(*spec, *spec)
+
+
 def _variadic_xla(arrays, inits, fn, axis):
     """fn's reduction of `arrays` along axis as one XLA variadic reduction (any order):
     fn takes two tuples like `arrays` and returns one.  The reducer is traced anew for
     each graph (see `_variadic`)."""
     k = len(arrays)
-    spec = [tf.TensorSpec([], a.dtype) for a in arrays]
     inits = [tf.constant(v, a.dtype) for v, a in zip(inits, arrays)]
-    reducer = tf.function(lambda *v: tuple(fn(v[:k], v[k:])), autograph=False)
-    reducer = reducer.get_concrete_function(*spec, *spec)
+    reducer = _reducer(arrays, lambda *v: tuple(fn(v[:k], v[k:])))
     return list(_xla.variadic_reduce(list(arrays), inits, [axis], reducer))
 
 
@@ -317,18 +321,8 @@ def scatter(v, idx, new):
 
 def _pair_sum_tree(h, l, axis):
     """Compensated sum of pairs along axis by halving (eager: static shapes)."""
-    size = h.shape[axis]
-    width = 1 << builtins.max(size - 1, 0).bit_length()
-    pad = [[0, 0], [0, 0]]
-    pad[axis] = [0, width - size]
-    h, l = tf.pad(h, pad), tf.pad(l, pad)
-    while width > 1:
-        width //= 2
-        if axis == 0:
-            h, l = _pair(h[:width], l[:width], h[width:], l[width:])
-        else:
-            h, l = _pair(h[:, :width], l[:, :width], h[:, width:], l[:, width:])
-    return tf.squeeze(h, axis), tf.squeeze(l, axis)
+    zero = tf.zeros([], h.dtype)
+    return tuple(_variadic_tree([h, l], [zero, zero], lambda a, b: _pair(*a, *b), axis))
 
 
 _COMMON = dict(
