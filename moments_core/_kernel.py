@@ -299,7 +299,7 @@ def f32_pairs(platform=None):
 
     TF_STABLE_MOMENTS_F32_PAIRS=1 (0) forces the pairs on (off) everywhere; otherwise
     they serve TPUs, which have no float64 hardware.  CPUs and GPUs with float64 sum it
-    faster (measured on this CPU: float64 0.15-0.56x the time of the pairs).  Either
+    faster (measured on this CPU: float64 0.08-0.39x the time of the pairs).  Either
     way the certificate is the same, and so are the results.
     """
     forced = os.environ.get("TF_STABLE_MOMENTS_F32_PAIRS", "")
@@ -378,7 +378,8 @@ def pair_sums32(ops, arrays, axis):
     unknown while tracing: DYNAMIC_STAGES stages) appends exact zero pairs and inf,
     which change nothing.  (Explicit halving trees of elementwise additions would
     count log2 STAGE per stage, but XLA's CPU fusion recomputes their shared operands:
-    measured 4.6x slower than these reductions on float32 [65536, 64].)
+    93 ms on float32 [65536, 64], against 20 ms for reductions of groups of 16 and
+    4.6 ms for groups of 4, measured before the scaling step.)
     """
     n = ops.shape(arrays[0], axis)
     static = isinstance(n, int)
