@@ -1,5 +1,6 @@
 """The public API: drop-in shapes and dtypes, the dtype policy, bad input, special values."""
 
+import math
 import os
 import re
 import subprocess
@@ -382,10 +383,11 @@ def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation(formulat
 
 def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
     """The batch statistics and the centred input are one StableCentre op (its gradient
-    registered: no custom_gradient IdentityN) and the stall check one StableStallCheck op:
-    no plain-operations formulation (bitcasts) and no tf.cond in the traced step, which
-    has at most as many operations as keras's (the trace is most of a first tf.function
-    step)."""
+    registered: no custom_gradient of its own) and the stall check one StableStallCheck
+    op: no plain-operations formulation (bitcasts) and no tf.cond in the traced step,
+    which has at most as many operations as keras's (the trace is most of a first
+    tf.function step).  The output formulas (docs section 14) are one XLA computation
+    with one custom gradient (one IdentityN): the only one in the step."""
     import keras
 
     def kinds(bn):
@@ -407,8 +409,9 @@ def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
     )
     for name in ("StableCentre", "StableStallCheck"):
         assert ours.count(name) == 1, (name, sorted(set(ours)))
-    forbidden = {"If", "StatelessIf", "Bitcast", "EagerPyFunc", "IdentityN", "StableMoments"}
+    forbidden = {"If", "StatelessIf", "Bitcast", "EagerPyFunc", "StableMoments"}
     assert not forbidden & set(ours), sorted(set(ours))
+    assert ours.count("IdentityN") == 1, sorted(set(ours))
     assert len(ours) <= len(theirs), (len(ours), len(theirs))
 
 
@@ -458,7 +461,21 @@ def test_a_layer_step_under_jit_compile_computes_per_slice_values_once(native, m
     ours = _largest_elementwise_fusion(ours, 8 * 8 * 8 * 128)
     theirs = _jit_layer_step_hlo(keras.layers.BatchNormalization(), "optimized_hlo")
     theirs = _largest_elementwise_fusion(theirs, 8 * 8 * 8 * 128)
-    assert ours <= 1.5 * theirs, (ours, theirs)
+    assert ours <= 1.5 * theirs + _output_formula_size(), (ours, theirs)
+
+
+def _output_formula_size(shape=(8, 8, 8, 128)):
+    """The instructions of the output formula y = RN32(RN64(r f + b)) alone (docs section
+    14: a float64 product and sum, the rounding on the encoding), which every layer step
+    now computes per element: added to the bound above, so that a per-slice chain
+    recomputed per element (the 60 operations of rsqrt32, say) still fails it."""
+    from moments_core import _affine
+    from tf_stable_moments._ops import XLA
+
+    fn = tf.function(lambda r, f, b: _affine.affine32(XLA, r, f, b), jit_compile=True)
+    channels = tf.TensorSpec(shape[-1:])
+    hlo = fn.experimental_get_compiler_ir(tf.TensorSpec(shape), channels, channels)
+    return _largest_elementwise_fusion(hlo("optimized_hlo"), math.prod(shape))
 
 
 def _instructions(hlo):

@@ -9,7 +9,8 @@ This layer keeps keras's reshape and broadcast (the same slices, weights and
 output), and for each slice computes, as StableLayerNormalization does
 (tf_stable_moments/_layer_norm.py):
   (mean_hi, mean_lo, var) = kernel(x),  r = (x - mean_hi) - mean_lo,
-  y = (r * (1 / sqrt(var + eps))) * gamma + beta,
+  y = (r * (1 / sqrt(var + eps))) * gamma + beta  (every rounding fixed:
+                                                  docs/algorithm.md section 14),
 accurate to a few float32 ulps of max(|y - beta|, |beta|) for any offset; a
 constant slice gives exactly beta.  Gradients are analytic (shared with
 StableBatchNormalization).

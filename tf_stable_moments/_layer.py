@@ -18,17 +18,16 @@ What this layer does instead, in training mode:
     and otherwise has relative error 2**-24 of |x - mean_hi|; subtracting the
     small mean_lo adds one rounding of a number of size |r|.  So r is
     x - mean to about 2**-23 * |x - mean|: no error of size mu survives.
-  * y = r * (gamma * (1 / sqrt(var + eps))) + beta.  The per-channel factor
-    has a relative error of at most 3 * 2**-24; the product r * factor is of
-    size |y - beta|, so y is accurate to a few ulps of max(|y - beta|, |beta|).
-    If a compiler contracts r * factor + beta into an FMA, one rounding
-    disappears: bits may change, the accuracy does not.  The same holds for
-    every product below that feeds an addition: none of them cancels.
-  * 1 / sqrt is used rather than rsqrt: sqrt and division are correctly
-    rounded IEEE operations in TensorFlow and in XLA, whereas rsqrt is an
-    approximation that differs between TensorFlow's CPU kernel and XLA.  With
-    1 / sqrt, eager TensorFlow and eager JAX give bit-identical outputs.  (XLA
-    may rewrite 1 / sqrt into rsqrt inside a compiled function: a few ulps.)
+  * y = r * (gamma * (1 / sqrt(var + eps))) + beta, with every rounding fixed
+    (docs/algorithm.md section 14): t = RN32(1 / sqrt(var + eps)) correctly
+    rounded, f = RN32(gamma t), y = RN32(RN64(r f + beta)) (r f is exact in
+    float64).  No compiler can change these bits: XLA's contraction into fused
+    multiply-adds, TensorFlow's graph rewriting (1 / v into an approximate
+    Reciprocal, a / sqrt into rsqrt), excess precision; so TF eager, tf.function,
+    jit_compile, JAX eager and jit give the same outputs, and the same moving
+    statistics (their averages are RN32(RN64(m momentum + b (1 - momentum)))).
+    The per-channel factor has a relative error of at most 2 * 2**-24, so y is
+    accurate to a few ulps of max(|y - beta|, |beta|).
 
 Inference mode uses the same form with the moving statistics:
 y = (x - moving_mean) * (gamma / sqrt(moving_variance + eps)) + beta, so an
@@ -94,6 +93,7 @@ from keras import ops
 
 from moments_core._kernel import two_sum
 from tf_stable_moments import _advice
+from tf_stable_moments import _formulas as _formulas_module
 from tf_stable_moments._centre_grad import (
     _centre_jvp,
     _centre_vjp,
@@ -132,6 +132,20 @@ def _shift_point(a, b):
     return tf.bitcast(tf.bitwise.bitwise_and(bits, tf.constant(-2, integer)), c.dtype)
 
 
+def _formulas():
+    """The output formulas (docs section 14) of the active Keras backend."""
+    return _formulas_module.formulas(keras.backend.backend())
+
+
+def _masked_variance(n, k, ratio, var_d, u):
+    """max(ratio var_d - ((n - k) / n) u**2, 0), ratio = n / k: both quotients correctly
+    rounded and the difference RN32(RN64(...)) of two products exact in float64
+    (docs section 14), so that no compiler changes its bits."""
+    formulas = _formulas()
+    weight = formulas.div(n - k, n)
+    return ops.maximum(formulas.blend(ratio, var_d, -weight, u * u), 0)
+
+
 def _centre(stats, x, w, axes):
     """(r, var, mean_hi, mean_lo): r = x - mean over all elements, moments of the selected.
 
@@ -142,13 +156,13 @@ def _centre(stats, x, w, axes):
         mean_hi, mean_lo, var = stats(x, axes, 0)
     else:
         n, k = _counts(x, w, axes)
-        ratio = n / k
+        ratio = _formulas().div(n, k)
         zero = ops.zeros_like(x)
         sum_over_n, _, _ = stats(ops.where(w, x, zero), axes, 0)
         c = _shift_point(sum_over_n, ratio)
         mean_d, _, var_d = stats(ops.where(w, x - _expand(c, axes), zero), axes, 0)
         u = _shift_point(mean_d, ratio)
-        var = ops.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
+        var = _masked_variance(n, k, ratio, var_d, u)
         mean_hi, mean_lo = two_sum(c, u)
     r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
     return r, var, mean_hi, mean_lo
@@ -400,11 +414,11 @@ def _global_centre(global_stats, x, w, axes):
         selected = ops.sum(ops.cast(w, "int32"), axis=axes)
         sum_over_n, _, _, n, k = global_stats(ops.where(w, x, zero), False, selected)
         n, k = ops.cast(n, x.dtype), ops.maximum(ops.cast(k, x.dtype), 1)
-        ratio = n / k
+        ratio = _formulas().div(n, k)
         c = _shift_point(sum_over_n, ratio)
         mean_d, _, var_d, _, _ = global_stats(ops.where(w, x - _expand(c, axes), zero), False, None)
         u = _shift_point(mean_d, ratio)
-        var = ops.maximum(ratio * var_d - ((n - k) / n) * (u * u), 0)
+        var = _masked_variance(n, k, ratio, var_d, u)
         mean_hi, mean_lo = two_sum(c, u)
     r = (x - _expand(mean_hi, axes)) - _expand(mean_lo, axes)
     return r, var, mean_hi, mean_lo, k
@@ -608,12 +622,13 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
                 residual = residual - _expand(correction, axes)
             variance = ops.cast(self.moving_variance, compute_dtype)
 
-        factor = 1.0 / ops.sqrt(variance + self.epsilon)
-        if gamma is not None:
-            factor = gamma * factor
-        outputs = residual * _expand(factor, axes)
-        if beta is not None:
-            outputs = outputs + _expand(beta, axes)
+        # docs section 14: every rounding fixed, whatever the compiler makes of the code
+        def expand(v):
+            return None if v is None else _expand(v, axes)
+
+        outputs = _formulas().scale_shift(
+            residual, expand(variance + self.epsilon), expand(gamma), expand(beta), shared=True
+        )
         return ops.cast(outputs, self.compute_dtype)
 
     def get_config(self):
@@ -661,19 +676,63 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
     def _update_moving_statistics(self, mean_hi, mean_lo, variance):
         moving_mean = ops.cast(self.moving_mean, mean_hi.dtype)
         moving_variance = ops.cast(self.moving_variance, variance.dtype)
-        self.moving_variance.assign(
-            moving_variance * self.momentum + variance * (1.0 - self.momentum)
-        )
+        # keras's moving averages, each RN32(RN64(a m + b (1 - m))): docs section 14
+        blend = _formulas().blend
+        momentum, rest = self.momentum, 1.0 - self.momentum
+        self.moving_variance.assign(blend(moving_variance, momentum, variance, rest))
         if not self.compensated_moving_stats:
             # Warns once if it cannot move; returns moving_mean (on JAX through the check).
             moving_mean = _advice.check(self, moving_mean, mean_hi, variance)
-            self.moving_mean.assign(moving_mean * self.momentum + mean_hi * (1.0 - self.momentum))
+            self.moving_mean.assign(blend(moving_mean, momentum, mean_hi, rest))
             return
         correction = ops.cast(self.moving_mean_correction, mean_hi.dtype)
         delta = ((mean_hi - moving_mean) + mean_lo) - correction
-        moving_mean, correction = two_sum(moving_mean, correction + delta * (1.0 - self.momentum))
+        moving_mean, correction = two_sum(moving_mean, blend(delta, rest, correction, 1.0))
         self.moving_mean.assign(moving_mean)
         self.moving_mean_correction.assign(correction)
+
+    # Batch renormalization: keras's formulas with every rounding fixed (docs section 14).
+    def _renorm_correction_and_moments(self, mean, variance):
+        formulas = _formulas()
+        stddev = ops.sqrt(variance + self.epsilon)
+        renorm_mean = ops.cast(self.renorm_mean, mean.dtype)
+        renorm_stddev = ops.maximum(
+            ops.cast(self.renorm_stddev, mean.dtype), ops.sqrt(ops.cast(self.epsilon, mean.dtype))
+        )
+        r = formulas.div(stddev, renorm_stddev)
+        d = formulas.div(mean - renorm_mean, renorm_stddev)
+        clipping = self.renorm_clipping
+        if clipping.get("rmin") is not None:
+            r = ops.maximum(r, clipping["rmin"])
+        if clipping.get("rmax") is not None:
+            r = ops.minimum(r, clipping["rmax"])
+        if clipping.get("dmax") is not None:
+            d = ops.clip(d, -clipping["dmax"], clipping["dmax"])
+        return r, d, mean, variance
+
+    def _compose_transforms(self, r, d, gamma, beta, dtype):
+        formulas = _formulas()
+        r, d = ops.cast(ops.stop_gradient(r), dtype), ops.cast(ops.stop_gradient(d), dtype)
+        if gamma is None:
+            return r, d if beta is None else d + beta
+        return formulas.times(r, gamma), formulas.affine(d, gamma, beta)
+
+    def _update_renorm_statistics(self, mean, variance):
+        blend = _formulas().blend
+        stddev = ops.sqrt(variance + self.epsilon)
+        renorm, rest = self.renorm_momentum, 1.0 - self.renorm_momentum
+        renorm_mean = ops.cast(self.renorm_mean, mean.dtype)
+        renorm_stddev = ops.cast(self.renorm_stddev, mean.dtype)
+        self.renorm_mean.assign(blend(renorm_mean, renorm, mean, rest))
+        self.renorm_stddev.assign(blend(renorm_stddev, renorm, stddev, rest))
+        momentum, rest = self.momentum, 1.0 - self.momentum
+        moving_mean = ops.cast(self.moving_mean, mean.dtype)
+        moving_stddev = ops.cast(self.moving_stddev, mean.dtype)
+        self.moving_mean.assign(blend(moving_mean, momentum, mean, rest))
+        new_moving_stddev = blend(moving_stddev, momentum, stddev, rest)
+        self.moving_stddev.assign(new_moving_stddev)
+        square = blend(new_moving_stddev, new_moving_stddev, ops.ones_like(stddev), -self.epsilon)
+        self.moving_variance.assign(ops.relu(square))
 
     def __repr__(self):
         return f"<tf_stable_moments.StableBatchNormalization name={self.name}, built={self.built}>"

@@ -17,14 +17,17 @@ indices of the axes not in `axis`):
   * r = (x - mean_hi) - mean_lo: x - mean to about 2**-23 * |x - mean|
     (x - mean_hi is exact by Sterbenz for offset data); no error of size mu
     survives.
-  * y = (r * (1 / sqrt(var + eps))) * gamma + beta: each product has a relative
-    error of a few 2**-24 and is of size |y - beta|, so y is accurate to a few
-    ulps of max(|y - beta|, |beta|).  1 / sqrt rather than rsqrt: sqrt and
-    division are correctly rounded in TensorFlow and XLA, rsqrt is not the same
-    approximation in both, so eager TensorFlow and eager JAX give the same bits.
+  * y = (r * (1 / sqrt(var + eps))) * gamma + beta with every rounding fixed
+    (docs/algorithm.md section 14): t = RN32(1 / sqrt(var + eps)) correctly
+    rounded, p = RN32(r t), y = RN32(RN64(p gamma + beta)) (p gamma exact in
+    float64; RN32(RN64(r t + beta)) without gamma).  No compiler changes these
+    bits (contraction, graph rewriting, excess precision), so every mode gives
+    the same outputs.  Each product has a relative error of a few 2**-24 and is
+    of size |y - beta|, so y is accurate to a few ulps of max(|y - beta|, |beta|).
     A constant row gives r = 0 exactly, hence y = beta exactly.
   * rms_scaling=True (deprecated in keras, kept for drop-in use) is keras's
-    formula y = x * (1 / sqrt(var + eps)) * gamma, with var from the kernel;
+    formula y = x * (1 / sqrt(var + eps)) * gamma, with var from the kernel (the
+    same fixed roundings, x for r);
     x is not centred, as in keras.
 
 Gradients are analytic (tf.custom_gradient / jax.custom_jvp, shared with
@@ -35,6 +38,7 @@ d mean = sum(dx) / n, d r = dx - d mean, d var = 2 sum(r dx) / n.
 import keras
 from keras import ops
 
+from tf_stable_moments import _formulas
 from tf_stable_moments._layer import _BACKENDS, _backend_centre, _expand
 
 
@@ -50,18 +54,18 @@ def _check_backend(cls_name):
 
 
 def _normalize(x, axes, epsilon, gamma, beta, centred=True):
-    """((x - mean) or x) * (1 / sqrt(var + eps)) * gamma + beta, statistics over `axes`.
+    """((x - mean) or x) * (1 / sqrt(var + eps)) * gamma + beta, statistics over `axes`,
+    every rounding fixed (docs section 14).
 
     x is in the compute dtype (float32 at least); gamma and beta are None or
     shaped to broadcast against x.  Returns the output in x's dtype.
     """
-    r, var, _, _ = _backend_centre(keras.backend.backend())(x, None, axes)
-    outputs = (r if centred else x) * _expand(1.0 / ops.sqrt(var + epsilon), axes)
-    if gamma is not None:
-        outputs = outputs * gamma
-    if beta is not None:
-        outputs = outputs + beta
-    return outputs
+    backend = keras.backend.backend()
+    formulas = _formulas.formulas(backend)
+    r, var, _, _ = _backend_centre(backend)(x, None, axes)
+    # docs section 14: y = RN32(RN64(RN32(r t) gamma + beta)), or RN32(RN64(r t + beta))
+    v = _expand(var + epsilon, axes)
+    return formulas.scale_shift(r if centred else x, v, gamma, beta, shared=False)
 
 
 @keras.saving.register_keras_serializable(package="tf_stable_moments")

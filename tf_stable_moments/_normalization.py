@@ -25,7 +25,9 @@ What this layer does instead:
     relative.  Given mean= values are split the same way (float64 -> two
     float32 parts).
   * call: y = ((x - mean) - mean_correction) / max(sqrt(var), eps), and with
-    invert=True y = mean + (x * max(sqrt(var), eps) + mean_correction).
+    invert=True y = mean + (x * max(sqrt(var), eps) + mean_correction), every
+    rounding fixed (docs/algorithm.md section 14): the reciprocal of the scale
+    correctly rounded, the inverse RN32(RN64(x scale + mean_correction)).
     x - mean is exact by Sterbenz for x within a factor 2 of the mean, so y is
     accurate to a few float32 ulps of |y| for any offset (keras: an absolute
     error of about 2**-24 * |mean| / std, plus that of its statistics).
@@ -43,6 +45,7 @@ import numpy as np
 from keras.src.layers.preprocessing.normalization import _extract_batch
 from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 
+from tf_stable_moments import _formulas
 from tf_stable_moments._layer_norm import _check_backend
 
 _STANDARD_WEIGHTS = 3  # keras's mean, variance, count
@@ -322,18 +325,20 @@ class StableNormalization(keras.layers.Normalization):
         mean, variance = self.convert_weight(mean), self.convert_weight(variance)
         scale = np_ops.maximum(np_ops.sqrt(variance), keras.config.epsilon())
         lo = None if lo is None else self.convert_weight(lo)
-        if self.invert:
-            y = np_ops.multiply(x, scale)
-            if lo is not None:
-                y = np_ops.add(y, lo)
-            y = np_ops.add(mean, y)
+        # docs section 14: every rounding fixed, whatever the compiler makes of the code
+        formulas = _formulas.formulas(self.backend.name)
+        if self.invert:  # mean + RN32(RN64(x scale + lo)), or RN32(RN64(x scale + mean))
+            if lo is None:
+                y = formulas.affine(x, scale, mean)
+            else:
+                y = np_ops.add(mean, formulas.affine(x, scale, lo))
         else:
             y = np_ops.subtract(x, mean)
             if lo is not None:
                 y = np_ops.subtract(y, lo)
-            # times a per-feature reciprocal, not an element-wise division: XLA's CPU
-            # division is not IEEE, so divide() differs by an ulp between the backends
-            y = np_ops.multiply(y, np_ops.divide(1.0, scale))
+            # times the correctly rounded reciprocal: a division would not be IEEE in XLA
+            # (by a broadcast vector) nor 1 / scale in a TensorFlow graph (a Reciprocal)
+            y = np_ops.multiply(y, formulas.recip(scale))
         return self.backend.core.cast(y, self.compute_dtype)
 
     def get_config(self):

@@ -13,7 +13,7 @@ N(1e6, 1) data the outputs, of size 1, are off by hundreds.  Here
 
     mean, mean_lo, var = the kernel's statistics of the (selected) elements
     r = (x - mean) - mean_lo                       (mean + mean_lo: the mean to ~2p bits)
-    y = r * (rsqrt(var + epsilon) * scale) + bias
+    y = r * (rsqrt(var + epsilon) * scale) + bias   (every rounding fixed: section 14)
 
 in the dtype Flax uses for the statistics (at least float32); mean and var are the
 exact values rounded once, the same bits on every platform and as
@@ -32,11 +32,11 @@ half-precision inputs in float32).
 """
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as _dtypes
 from flax.linen.module import compact, merge_param
 
+from jax_kernel import _output
 from jax_kernel._centre import centre as _centre
 from jax_kernel._centre import expand as _expand
 
@@ -96,22 +96,33 @@ def _grouped(x, mask, reduction_axes, groups, centred):
 
 def _apply(x, r, var, scale, bias, feature_axes, dtype, epsilon):
     """y = r * (rsqrt(var + epsilon) * scale) + bias in Flax's result dtype (var already
-    broadcast against r; scale and bias None where unused, else of the feature shape)."""
+    broadcast against r; scale and bias None where unused, else of the feature shape).
+
+    Every rounding fixed (docs/algorithm.md section 14; float32 operands), the formulas
+    of the Keras layers: t = RN32(1/sqrt(var + epsilon)); where var is per feature
+    (BatchNorm) y = RN32(RN64(r RN32(t scale) + bias)), else (LayerNorm, GroupNorm: t
+    per sample or group) y = RN32(RN64(RN32(r t) scale + bias)).  jit, eager and every
+    compiler give the same bits, and those of tf_stable_moments' Keras layers.
+    """
     feature_shape = [1] * x.ndim
     for a in feature_axes:
         feature_shape[a] = x.shape[a]
-    mul = jax.lax.rsqrt(var + epsilon)
     args = [x]
     if scale is not None:
         scale = scale.reshape(feature_shape)
-        mul = mul * scale
         args.append(scale)
-    y = r * mul
     if bias is not None:
         bias = bias.reshape(feature_shape)
-        y = y + bias
         args.append(bias)
+    shared = tuple(var.shape) == tuple(feature_shape)  # per feature: one factor per feature
+    y = _output.scale_shift(r, var + epsilon, scale, bias, shared=shared)
     return jnp.asarray(y, _dtypes.canonicalize_dtype(*args, dtype=dtype))
+
+
+def _moving(average, momentum, value):
+    """Flax's momentum * average + (1 - momentum) * value, each rounding fixed
+    (RN32(RN64(...)): docs section 14)."""
+    return _output.blend(average, momentum, value, 1 - momentum)
 
 
 def _linen_centred(mdl, x, mask, axes):
@@ -152,8 +163,8 @@ class BatchNorm(nn.BatchNorm):
         else:
             r, mean, var = _linen_centred(self, x, mask, reduction_axes)
             if not self.is_initializing():
-                ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
-                ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+                ra_mean.value = _moving(ra_mean.value, self.momentum, mean)
+                ra_var.value = _moving(ra_var.value, self.momentum, var)
             var = _expand(var, reduction_axes)
         return _scale_shift(self, x, r, var, feature_axes)
 

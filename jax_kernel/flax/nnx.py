@@ -17,7 +17,15 @@ from flax import nnx
 from flax.nnx.module import first_from
 
 from jax_kernel._centre import expand as _expand
-from jax_kernel.flax.linen import _apply, _axes, _centred, _group_axes, _grouped, _work
+from jax_kernel.flax.linen import (
+    _apply,
+    _axes,
+    _centred,
+    _group_axes,
+    _grouped,
+    _moving,
+    _work,
+)
 
 __all__ = ["BatchNorm", "GroupNorm", "LayerNorm"]
 
@@ -57,8 +65,8 @@ class BatchNorm(nnx.BatchNorm):
         else:
             r, batch_mean, batch_var = _nnx_centred(self, x, mask, reduction_axes)
             stop = jax.lax.stop_gradient
-            self.mean[...] = stop(self.momentum * self.mean[...] + (1 - self.momentum) * batch_mean)
-            self.var[...] = stop(self.momentum * self.var[...] + (1 - self.momentum) * batch_var)
+            self.mean[...] = stop(_moving(self.mean[...], self.momentum, batch_mean))
+            self.var[...] = stop(_moving(self.var[...], self.momentum, batch_var))
             var = _expand(batch_var, reduction_axes)
         return _apply(x, r, var, scale, bias, feature_axes, self.dtype, self.epsilon)
 

@@ -1,0 +1,217 @@
+"""The layers' elementwise output: every rounding fixed, none a compiler can change.
+
+After the statistics (certified: the same bits everywhere) a normalization layer maps
+each element through a per-slice scale and shift.  Written naively,
+
+    y = (x - mean) * (gamma / sqrt(var + eps)) + beta,
+
+its bits depend on how it is compiled: XLA contracts a product feeding an addition
+into one fused multiply-add (one rounding instead of two), TensorFlow's graph
+optimizer rewrites 1 / v into an approximate Reciprocal, and both rewrite
+a / sqrt(b) into a * rsqrt(b) (an approximation that differs between TensorFlow's
+kernels and XLA's), and XLA turns a division by a broadcast vector into a product
+with its reciprocal.  Measured on float32 [64, 8, 8, 32] (issue #27): up to all
+131,072 outputs differed between TF eager, tf.function and jit_compile.
+
+The formulas here (docs/algorithm.md section 14) use only
+
+  * exact operations: products of two float32 in float64 (24 + 24 bits <= 53),
+    sums and differences that Sterbenz's lemma makes exact, comparisons, integer
+    operations on the encodings, conversions to a wider format;
+  * one rounding each, of a value that is defined exactly: float32 operations with
+    no product feeding them (x - m, and the product r * t, which feeds a
+    conversion, not an addition), and conversions float64 -> float32;
+  * approximations whose results are then certified and corrected exactly.
+
+A contraction can only remove the rounding of a product; where every product that
+feeds an addition is exact there is no rounding to remove, so contracted and
+uncontracted code give the same bits.  No formula divides, takes a square root or
+a reciprocal whose rounding reaches the result.  The results are therefore the
+same in TensorFlow eager, graphs, XLA and JAX, on any device that has IEEE float32
+and float64 arithmetic (subnormal results aside: TensorFlow and JAX flush them on
+the CPU).
+
+The functions take `ops`, the array namespace of a backend (tf_stable_moments/_ops.py,
+jax_kernel/_ops.py; JAX with 64-bit types enabled), and float32 arrays.
+"""
+
+# Clearing the low 28 of the 52 stored significand bits of a float64 leaves 25
+# significant bits; the rest of a 50-bit number then has at most 25 bits too.
+_HIGH_25 = -(1 << 28)
+# A float32 keeps 24 of a float64's 53 significand bits: 29 bits of the encoding go.
+_DROPPED = 29
+_HALF = (1 << (_DROPPED - 1)) - 1  # half an ulp of the kept bits, less one unit
+_KEEP = -(1 << _DROPPED)
+
+
+def round32(ops, a):
+    """float64 a rounded to the nearest float32, ties to even, as a float32: the
+    rounding done on the encoding (integer operations), so that the final
+    conversion is exact.
+
+    Why not just convert: XLA may remove a conversion float64 -> float32 -> float64
+    ("excess precision", on by default: measured on the CPU, where a float64 sum of
+    values rounded to float32 was summed unrounded under jax.jit), so a rounded value
+    that a later computation widens again (this layer's, or the next layer's
+    statistics kernel) could silently keep its float64 bits.  A conversion of a value
+    that is already a float32 changes nothing, whether it is removed or not.
+
+    Adding half an ulp of the kept bits less one, plus the lowest kept bit, then
+    clearing the dropped bits rounds the magnitude to nearest, ties to even (a carry
+    into the exponent is the next binade, or infinity past the float32 range: the
+    conversion then gives inf, as it would have).  Infinities have no dropped bits, and
+    neither have the NaNs that reach it: a float32 widened has 29 zero low bits, and
+    float64 arithmetic returns the default NaN or a NaN operand's payload; with no
+    dropped bits nothing carries, and the value stays as it is.  Results below the
+    float32 normal range (2**-126) are rounded to 24 bits here and again by the
+    conversion, and flushed to zero where the device flushes subnormals (TensorFlow
+    and JAX on the CPU): the one case where the bits follow the device.
+    """
+    bits = ops.bitcast(a, "int64")
+    lowest_kept = ops.band(ops.shr(bits, _DROPPED), 1)
+    rounded = ops.band(bits + (lowest_kept + _HALF), _KEEP)
+    return ops.cast(ops.bitcast(rounded, "float64"), "float32")
+
+
+def _float32_neighbours(ops, t):
+    """(down, up): the float32 values next to a positive finite float32 t (from its
+    encoding: t's successor and predecessor have the adjacent integer encodings)."""
+    bits = ops.bitcast(t, "int32")
+    return ops.bitcast(bits - 1, "float32"), ops.bitcast(bits + 1, "float32")
+
+
+def _midpoints(ops, t):
+    """(down, up, m_down, m_up): t's neighbours and the float64 midpoints between them
+    and t, exact (two adjacent float32 sum exactly in float64; halving is exact)."""
+    down, up = _float32_neighbours(ops, t)
+    t64 = ops.cast(t, "float64")
+    m_down = (ops.cast(down, "float64") + t64) * 0.5
+    m_up = (t64 + ops.cast(up, "float64")) * 0.5
+    return down, up, m_down, m_up
+
+
+def _split_25(ops, a):
+    """(h, l) with a = h + l exactly, h the leading 25 bits of a float64 a of at most 50
+    significant bits and l the rest (at most 25 bits): an integer mask on the encoding,
+    then a difference that is exact because l is representable."""
+    h = ops.bitcast(ops.band(ops.bitcast(a, "int64"), _HIGH_25), "float64")
+    return h, a - h
+
+
+def _square_times_below_one(ops, m, v):
+    """m * m * v < 1, exactly, for float64 m of at most 25 bits and float32 v (as float64)
+    with m * m * v within a factor 2 of 1.
+
+    m * m has at most 50 bits: exact.  Split into h + l of 25 bits each, h * v and l * v
+    have at most 49 bits: exact.  h * v lies in [1/2, 2], so h * v - 1 is exact
+    (Sterbenz).  m * m * v < 1 <=> h * v - 1 < -(l * v): a comparison of two exact
+    values.  (Contracting h * v - 1 or m * m - h into a fused multiply-add rounds an
+    exact value: the same.)
+    """
+    h, l = _split_25(ops, m * m)
+    return h * v - 1.0 < -(l * v)
+
+
+def rsqrt32(ops, v):
+    """RN32(1 / sqrt(v)) for float32 v: correctly rounded, the same bits everywhere.
+
+    t0 = RN32(1 / sqrt(v)) computed in float64 by whatever the compiler makes of it
+    (a division or an rsqrt: relative error far below 2**-30) is within one float32
+    ulp of the answer.  The answer is t0's upper neighbour if the midpoint m_up
+    between them satisfies m_up**2 * v < 1 (then 1/sqrt(v) > m_up), the lower one if
+    m_down**2 * v > 1, else t0: exact tests (`_square_times_below_one`).  1/sqrt(v) is
+    never a midpoint (m = M 2**k with M odd of 25 bits, M**2 V 2**j = 1 has no such
+    solution), so there are no ties.  v = 0 gives inf, v = inf gives 0, v < 0 or NaN
+    gives NaN (the guesses are kept where t0 is not a positive finite number).
+    """
+    v64 = ops.cast(v, "float64")
+    t = round32(ops, 1.0 / ops.sqrt(v64))
+    down, up, m_down, m_up = _midpoints(ops, t)
+    above = _square_times_below_one(ops, m_up, v64)
+    below = ~_square_times_below_one(ops, m_down, v64)
+    corrected = ops.where(above, up, ops.where(below, down, t))
+    regular = (t > 0) & (t < float("inf"))
+    return ops.where(regular, corrected, t)
+
+
+def div32(ops, a, s):
+    """RN32(a / s) for float32 a and s: correctly rounded, the same bits everywhere.
+
+    As `rsqrt32`: t0 from a float64 division (whatever the compiler makes of it: XLA
+    divides by a broadcast vector through its reciprocal, TensorFlow's graph optimizer
+    turns 1 / s into an approximate Reciprocal), then the exact tests m * |s| < |a|
+    (m of 25 bits, s of 24: an exact product in float64).  No ties: a / s = M 2**k with
+    M odd of 25 bits would make M 2**k s, a number of at least 25 bits, equal to a.
+    Where t0 is 0, inf or NaN (a or s 0, inf or NaN, or the quotient beyond the float32
+    range) t0 is the answer.
+    """
+    a64, s64 = ops.cast(a, "float64"), ops.cast(s, "float64")
+    t = round32(ops, a64 / s64)
+    t_abs = ops.abs(t)
+    down, up, m_down, m_up = _midpoints(ops, t_abs)
+    a_abs, s_abs = ops.abs(a64), ops.abs(s64)
+    above = m_up * s_abs < a_abs
+    below = m_down * s_abs > a_abs
+    corrected = ops.where(above, up, ops.where(below, down, t_abs))
+    corrected = ops.where(t < 0, -corrected, corrected)
+    regular = (t_abs > 0) & (t_abs < float("inf"))
+    return ops.where(regular, corrected, t)
+
+
+def recip32(ops, s):
+    """RN32(1 / s): `div32` with a = 1."""
+    return div32(ops, ops.ones_like(s), s)
+
+
+def times32(ops, a, b):
+    """RN32(a * b): the exact float64 product rounded once to float32.
+
+    (A float32 product is the same value; the float64 detour keeps a chain a * b * c
+    from being reordered by a graph optimizer: TensorFlow's reorders chains of
+    products to broadcast less, which changes their roundings.)"""
+    return round32(ops, ops.cast(a, "float64") * ops.cast(b, "float64"))
+
+
+def affine32(ops, r, f, b):
+    """RN32(RN64(r * f + b)) for float32 r, f, b.
+
+    r * f is exact in float64, so a contraction of r * f + b into a fused multiply-add
+    computes the same float64 sum as the separate operations; the sum is rounded to
+    float64, then to float32 (a double rounding: it differs from RN32(r * f + b) by
+    one ulp when the float64 sum lands exactly on a float32 midpoint, rarely, and
+    always the same way).
+    """
+    p = ops.cast(r, "float64") * ops.cast(f, "float64")
+    return round32(ops, p + ops.cast(b, "float64"))
+
+
+def blend32(ops, a, wa, b, wb):
+    """RN32(RN64(a * wa + b * wb)) for float32 operands: moving averages, and the
+    masked variance.  Both products are exact in float64; contracting either into the
+    sum rounds the same exact value once."""
+    p = ops.cast(a, "float64") * ops.cast(wa, "float64")
+    q = ops.cast(b, "float64") * ops.cast(wb, "float64")
+    return round32(ops, p + q)
+
+
+def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
+    """A normalization layer's output from r (centred input), v = var + eps (per slice,
+    broadcast against r), gamma and beta (None where absent), all float32, and the
+    per-slice t = rsqrt32(v) (returned too, for the gradients):
+
+      shared (gamma per slice, as t: BatchNormalization):  y = RN32(RN64(r f + beta)),
+          f = times32(gamma, t);
+      else (t per sample or group, gamma per feature: LN, GN):  y = RN32(RN64(p gamma +
+          beta)), p = times32(r, t);
+      no gamma: y = RN32(RN64(r t + beta));  no beta: the products alone (times32).
+    """
+    # Per-slice values as buffers of their own (ops.materialize): XLA would otherwise fuse
+    # their chains (some 60 operations) into the per-element pass, once per element.
+    t = ops.materialize(rsqrt32(ops, v))
+    if gamma is None:
+        return (times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)), t
+    if shared:
+        r, scale = r, ops.materialize(times32(ops, gamma, t))
+    else:
+        r, scale = times32(ops, r, t), gamma
+    return (times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)), t

@@ -1,0 +1,166 @@
+"""Issue #27: every layer's outputs are the same bits in every mode, framework and
+kernel (docs/algorithm.md section 14).
+
+tests/_layer_modes_check.py runs every Stable Keras layer (BN training, inference,
+masked, compensated, without scale or center, renorm; LN, GN, Normalization and their
+variants) on N(1e6, 1) and N(0, 1) float32 data, and mixed_float16 / mixed_bfloat16,
+in TF eager, tf.function and jit_compile (TensorFlow backend) and in eager calls and
+`stateless_call` under jax.jit (JAX backend, with the Flax modules next to them), each
+with the native kernel on and off.  Every output, and the moving statistics a training
+call leaves, must have the bits of TF eager.  The control runs the plain formulas
+(1 / sqrt, r * f + b) and must see differences: XLA's contraction, TensorFlow's graph
+rewriting.  The formulas themselves are checked against exact rational arithmetic in
+tests/test_affine.py.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# (label, Keras backend, native kernel, scope: tests/_layer_modes_check.py)
+RUNS = (
+    ("tf", "tensorflow", "1", "full"),
+    ("jax", "jax", "1", "full"),
+    ("tf_native_off", "tensorflow", "0", "core"),
+    ("jax_native_off", "jax", "0", "core"),
+    ("tf_plain", "tensorflow", "1", "plain"),
+)
+
+
+def _run_all(directory):
+    """The script once per run, two processes at a time; {label: {entry: array}}."""
+    out, pending = {}, list(RUNS)
+    while pending:
+        batch, pending = pending[:2], pending[2:]
+        procs = {}
+        for label, backend, native, scope in batch:
+            env = {
+                **os.environ,
+                "KERAS_BACKEND": backend,
+                "TF_STABLE_MOMENTS_NATIVE": native,
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+            }
+            args = [sys.executable, str(REPO / "tests" / "_layer_modes_check.py")]
+            args += [str(directory / f"{label}.npz"), scope]
+            procs[label] = subprocess.Popen(
+                args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        for label, proc in procs.items():
+            log, _ = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{label} failed:\n{log[-4000:]}"
+            out[label] = dict(np.load(directory / f"{label}.npz"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """`_run_all`, once per test session: under pytest-xdist the first worker to get here
+    runs it in a directory shared by the workers (the documented recipe, with an
+    exclusive file creation as the lock); the others wait for its marker."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    directory = shared / "layer_modes"
+    directory.mkdir(exist_ok=True)
+    done, failed = directory / "done", directory / "failed"
+    try:
+        os.close(os.open(directory / "lock", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        deadline = time.monotonic() + 1800
+        while not (done.exists() or failed.exists()) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert done.exists(), "the worker running tests/_layer_modes_check.py failed"
+        return {label: dict(np.load(directory / f"{label}.npz")) for label, *_ in RUNS}
+    try:
+        out = _run_all(directory)
+    except BaseException:
+        failed.touch()
+        raise
+    done.touch()
+    return out
+
+
+def _entries(result):
+    """{(case, mode): array} of one run's results."""
+    return {tuple(k.split("|")): v for k, v in result.items() if "|" in k}
+
+
+def _differing(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    return int(np.count_nonzero(a.view(unsigned) != b.view(unsigned)))
+
+
+def _reference(results, case):
+    """TF eager with the native kernel: what every other mode must reproduce."""
+    return _entries(results["tf"])[(case, "tf_eager")]
+
+
+@pytest.mark.parametrize("label", [r[0] for r in RUNS if r[3] != "plain"])
+def test_every_mode_gives_the_bits_of_tf_eager(results, label):
+    """Outputs of every case and mode, and the moving statistics they leave (compared
+    within the backend: Normalization's count is int64 on TensorFlow, int32 on JAX)."""
+    entries = _entries(results[label])
+    eager = "tf_eager" if label.startswith("tf") else "jax_eager"
+    cases = {case for case, _ in entries}
+    assert len(cases) >= (60 if label in ("tf", "jax") else 20)  # layers, data, dtypes
+    differing = {}
+    for (case, mode), value in sorted(entries.items()):
+        reference = entries[(case, eager)] if case.endswith("_state") else None
+        if reference is None:
+            reference = _reference(results, case)
+        n = _differing(value, reference)
+        if n:
+            differing[f"{case} {mode}"] = f"{n} of {value.size}"
+    assert not differing, differing
+
+
+def test_states_agree_between_backends(results):
+    """Moving statistics after a training call: TF and JAX have the same bits (the
+    layers' float32 weights; Normalization's int64 / int32 count excepted)."""
+    tf_entries, jax_entries = _entries(results["tf"]), _entries(results["jax"])
+    compared = 0
+    for (case, mode), value in tf_entries.items():
+        if mode != "tf_eager" or not case.endswith("_state") or case.startswith("norm"):
+            continue
+        assert _differing(jax_entries[(case, "jax_eager")], value) == 0, case
+        compared += 1
+    assert compared >= 20
+
+
+def test_flax_modules_give_the_bits_of_the_keras_layers(results):
+    """jax_kernel.flax linen and nnx BatchNorm (training, inference, the batch_stats it
+    leaves), LayerNorm and GroupNorm, eager and jit: the Keras layers' bits."""
+    entries = _entries(results["jax"])
+    flax = [(c, m) for c, m in entries if m.startswith("flax_")]
+    assert len(flax) >= 30
+    for case, mode in flax:
+        reference = _reference(results, case)
+        assert _differing(entries[(case, mode)], reference) == 0, (case, mode)
+
+
+def test_the_control_sees_compiler_differences(results):
+    """The plain formulas (1 / sqrt(v), r * f + b, ...) run through the same script
+    differ from TF eager under tf.function (graph rewriting: an approximate Reciprocal
+    for 1 / s) or jit_compile (contraction into fused multiply-adds) in every control
+    case: the comparison above can fail."""
+    entries = _entries(results["tf_plain"])
+    cases = {case for case, _ in entries if not case.endswith("_state")}
+    assert len(cases) >= 10
+    for case in cases:
+        eager = entries[(case, "tf_eager")]
+        graph, xla = (
+            _differing(entries[(case, m)], eager) for m in ("tf_function", "tf_jit_compile")
+        )
+        assert graph + xla > 0, case
+    assert all(
+        _differing(entries[(c, "tf_jit_compile")], entries[(c, "tf_eager")])
+        for c in cases
+        if not c.startswith("norm")
+    )

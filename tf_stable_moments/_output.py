@@ -1,0 +1,194 @@
+"""The layers' output formulas (moments_core/_affine.py) in TensorFlow, differentiable
+(the Keras layers reach them through tf_stable_moments/_formulas.py).
+
+float32 operands take the formulas whose bits no compiler can change
+(docs/algorithm.md section 14); other dtypes (float64 statistics) the plain
+expressions.  Gradients are those of the plain expressions, evaluated in float32:
+d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db, d(r f + b) = f dr + r df + db (the
+sums over broadcast axes in float32, as TensorFlow's own gradients of * and +).
+`div` and `blend` (renorm's corrections, moving averages, the masked variance:
+quantities the layers use as constants) have none.
+"""
+
+import tensorflow as tf
+
+from moments_core import _affine
+from tf_stable_moments._ops import PLAIN, XLA
+from tf_stable_moments._xla_context import in_xla_context
+
+
+def _certified(*tensors):
+    return all(t is None or tf.as_dtype(t.dtype) == tf.float32 for t in tensors)
+
+
+def _unbroadcast(g, like):
+    """g summed over the axes along which `like` (of g's rank or lower) was broadcast."""
+    lead = g.shape.rank - like.shape.rank
+    axes = list(range(lead)) + [
+        lead + i
+        for i, (a, b) in enumerate(zip(like.shape, g.shape[lead:], strict=True))
+        if a == 1 and b != 1
+    ]
+    if axes:
+        g = tf.reduce_sum(g, axis=axes, keepdims=True)
+    return tf.reshape(g, tf.shape(like)) if lead else g
+
+
+@tf.custom_gradient
+def _rsqrt32(v):
+    def grad(dt):
+        # t recomputed by the plain expression: a few operations that XLA may fuse
+        # anywhere (the certified t's 60 would be recomputed per element where the
+        # gradient is used per element), and differentiable again
+        t = 1.0 / tf.sqrt(v)
+        return dt * (-0.5 * t * t * t)
+
+    return _affine.rsqrt32(XLA if in_xla_context() else PLAIN, v), grad
+
+
+@tf.custom_gradient
+def _times32(a, b):
+    y = _affine.times32(PLAIN, a, b)
+
+    def grad(dy):
+        return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
+
+    return y, grad
+
+
+@tf.custom_gradient
+def _affine32(r, f, b):
+    y = _affine.affine32(PLAIN, r, f, b)
+
+    def grad(dy):
+        return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
+
+    return y, grad
+
+
+def rsqrt(v):
+    """1 / sqrt(v): RN32(v**-0.5) for float32 v (the same bits everywhere)."""
+    return _rsqrt32(v) if _certified(v) else 1.0 / tf.sqrt(v)
+
+
+def div(a, s):
+    """a / s: RN32(a / s) for float32 a and s; no derivative."""
+    a, s = tf.stop_gradient(a), tf.stop_gradient(s)
+    if not _certified(a, s):
+        return a / s
+    if in_xla_context():  # per slice: a buffer of its own, not recomputed per element
+        return XLA.materialize(_affine.div32(XLA, a, s))
+    return _affine.div32(PLAIN, a, s)
+
+
+def recip(s):
+    """1 / s: RN32(1 / s) for float32 s; no derivative."""
+    return div(tf.ones_like(s), s)
+
+
+def times(a, b):
+    """a * b: RN32(a * b) through float64, for float32 a and b (a and b of one rank, or
+    scalars): a chain of products is not reordered."""
+    return _times32(a, b) if _certified(a, b) else a * b
+
+
+def affine(r, f, b=None):
+    """r * f + b: RN32(RN64(r * f + b)) for float32 operands (f and b of r's rank, or
+    scalars); b None: `times`."""
+    if b is None:
+        return times(r, f)
+    return _affine32(r, f, b) if _certified(r, f, b) else r * f + b
+
+
+def _compiled(name, fn, args, **options):
+    """fn(PLAIN, *args, **options): inline where XLA compiles the graph being built,
+    else as an XLA computation of its own (tf_stable_moments/_moments.py `_compiled`:
+    per TensorFlow context, traced once per name, options, ranks and dtypes), so that
+    eager mode and plain graphs run the formulas as one fused pass, as XLA does,
+    rather than as a dozen operations over the whole tensor."""
+    if in_xla_context():
+        return fn(XLA, *args, **options)
+    from tf_stable_moments import _moments
+
+    spec = [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args]
+    key = (
+        "output",
+        name,
+        tuple(sorted(options.items())),
+        tuple((s.shape.rank, s.dtype) for s in spec),
+    )
+    return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec)(*args)
+
+
+def blend(a, wa, b, wb):
+    """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands; no derivative."""
+    a, b = tf.stop_gradient(a), tf.stop_gradient(b)
+    wa, wb = (tf.constant(w, a.dtype) if not tf.is_tensor(w) else w for w in (wa, wb))
+    if _certified(a, wa, b, wb):
+        wa, wb = tf.broadcast_to(wa, tf.shape(a)), tf.broadcast_to(wb, tf.shape(b))
+        return _compiled("blend", _affine.blend32, (a, wa, b, wb))
+    return a * wa + b * wb
+
+
+def scale_shift(r, v, gamma=None, beta=None, shared=False):
+    """A layer's output from r, v = var + eps (per slice, broadcast against r), gamma,
+    beta: `_affine.scale_shift32` (docs section 14) for float32, one fused XLA pass
+    outside XLA too; shared: gamma has t's shape (BatchNormalization), else gamma is
+    per feature (LN, GN).  The gradient is the plain expression's, in float32, with
+    t = 1 / sqrt(v) recomputed by plain operations (so that higher orders work too)."""
+    if not _certified(r, v, gamma, beta):
+        t = 1.0 / tf.sqrt(v)
+        scale = t if gamma is None else gamma * t
+        return r * scale if beta is None else r * scale + beta
+    if in_xla_context():  # the same formulas, each with its own gradient, fused by XLA
+        t = XLA.materialize(rsqrt(v))  # per slice: not recomputed per element
+        if gamma is None:
+            return affine(r, t, beta)
+        if shared:
+            return affine(r, XLA.materialize(times(gamma, t)), beta)
+        return affine(times(r, t), gamma, beta)
+    present = [a for a in (gamma, beta) if a is not None]
+
+    @tf.custom_gradient
+    def fn(r, v, *present):
+        g, b = _unpack(present, gamma, beta)
+        y, _ = _compiled(
+            "scale_shift",
+            _scale_shift_args,
+            (r, v, *present),
+            has_gamma=g is not None,
+            has_beta=b is not None,
+            shared=shared,
+        )
+
+        def grad(dy):
+            t = 1.0 / tf.sqrt(v)
+            if g is None or shared:  # y = r (g t) + b: the sums of dy r and dy only
+                s = _unbroadcast(dy * r, t)
+                dr = dy * (t if g is None else g * t)
+                dt = s if g is None else s * g
+                dg = None if g is None else s * t
+            else:  # y = (r t) g + b, t per sample or group, g per feature
+                dp = dy * g
+                dr = dp * t
+                dt = _unbroadcast(dp * r, t)
+                dg = _unbroadcast(dy * (r * t), g)
+            grads = [dr, dt * (-0.5 * t * t * t)] + ([] if g is None else [dg])
+            return grads + ([] if b is None else [_unbroadcast(dy, b)])
+
+        return y, grad
+
+    return fn(r, v, *present)
+
+
+def _unpack(present, gamma, beta):
+    present = list(present)
+    g = present.pop(0) if gamma is not None else None
+    b = present.pop(0) if beta is not None else None
+    return g, b
+
+
+def _scale_shift_args(ops, r, v, *present, has_gamma, has_beta, shared):
+    g = present[0] if has_gamma else None
+    b = present[-1] if has_beta else None
+    return _affine.scale_shift32(ops, r, v, g, b, shared)
