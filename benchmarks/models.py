@@ -219,6 +219,160 @@ def speed(args):
     return results
 
 
+# --------------------------------------------------------------------------------- flax
+def _flax_models(norms):
+    """(CNN, ViT-style encoder) as flax.linen modules whose normalization layers come from
+    `norms` (flax.linen, or jax_kernel.flax.linen: one import apart)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class CNN(nn.Module):
+        """A BatchNorm on the raw input (its features sit on the offset), then three conv
+        + BatchNorm + ReLU blocks, global average pooling and a 10-way head."""
+
+        @nn.compact
+        def __call__(self, x, train):
+            x = norms.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            for features, stride in ((16, 1), (32, 2), (64, 2)):
+                x = nn.Conv(features, (3, 3), stride, use_bias=False)(x)
+                x = norms.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+                x = nn.relu(x)
+            return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+    class Encoder(nn.Module):
+        """A pre-LN encoder on the raw token features (the residual stream is the input):
+        two blocks of LayerNorm + attention and LayerNorm + MLP, a final LayerNorm, mean
+        pooling, a 10-way head."""
+
+        @nn.compact
+        def __call__(self, x, train):
+            d = x.shape[-1]
+            for _ in range(2):
+                a = norms.LayerNorm()(x)
+                x = x + nn.MultiHeadDotProductAttention(4, deterministic=True)(a, a)
+                f = nn.relu(nn.Dense(2 * d)(norms.LayerNorm()(x)))
+                x = x + nn.Dense(d)(f)
+            return nn.Dense(10)(jnp.mean(norms.LayerNorm()(x), axis=1))
+
+    return {"CNN": CNN(), "Encoder": Encoder()}
+
+
+def _flax_data(model, offset, n, rng, templates):
+    """n examples of 10 classes: offset + 0.5 * the class's template + N(0, 1) noise (CNN:
+    16x16x3 images; Encoder: 16 tokens of 32 features), float32."""
+    labels = rng.integers(0, 10, size=n)
+    x = offset + 0.5 * templates[labels] + rng.normal(size=(n, *templates.shape[1:]))
+    return x.astype("float32"), labels
+
+
+def flax_experiment(model, offset, steps, batch=64, seed=0):
+    """Train `model` ("CNN" or "Encoder") with Flax's normalization layers and with
+    jax_kernel.flax.linen's (same initial parameters, same batches, optax Adam, jax.jit),
+    alternating step by step; returns {variant: {first, steady, accuracy, loss}} and the
+    checkpoint round trip of the trained variables (flax.serialization)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import serialization
+
+    from jax_kernel.flax import linen as stable
+
+    rng = np.random.default_rng(seed)
+    shape = (16, 16, 3) if model == "CNN" else (16, 32)
+    templates = rng.normal(size=(10, *shape))
+    x_test, y_test = _flax_data(model, offset, 2048, rng, templates)
+    batches = [_flax_data(model, offset, batch, rng, templates) for _ in range(steps)]
+    variants = {"flax": _flax_models(nn)[model], "ours": _flax_models(stable)[model]}
+    init = variants["flax"].init(jax.random.key(seed), jnp.asarray(x_test[:batch]), False)
+    tx = optax.adam(1e-3)
+
+    def make_step(module):
+        def loss_fn(params, stats, x, y):
+            logits, updates = module.apply(
+                {"params": params, "batch_stats": stats}, x, True, mutable=["batch_stats"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return loss, updates.get("batch_stats", stats)
+
+        @jax.jit
+        def step(params, stats, opt, x, y):
+            (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, stats, x, y)
+            updates, opt = tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), stats, opt, loss
+
+        @jax.jit
+        def predict(params, stats, x):
+            return module.apply({"params": params, "batch_stats": stats}, x, False)
+
+        return step, predict
+
+    state, times, fns = {}, {}, {}
+    for key, module in variants.items():
+        params, stats = init["params"], init.get("batch_stats", {})
+        state[key] = (params, stats, tx.init(params), None)
+        times[key] = []
+        fns[key] = make_step(module)
+    for x, y in batches:  # alternate: load hits both alike
+        for key in variants:
+            params, stats, opt, _ = state[key]
+            start = time.perf_counter()
+            out = fns[key][0](params, stats, opt, x, y)
+            jax.block_until_ready(out)
+            times[key].append(time.perf_counter() - start)
+            state[key] = out
+    rows = {}
+    for key in variants:
+        params, stats, _, loss = state[key]
+        logits = np.asarray(fns[key][1](params, stats, x_test))
+        restored = serialization.from_bytes(
+            {"params": params, "batch_stats": stats},
+            serialization.to_bytes({"params": params, "batch_stats": stats}),
+        )
+        again = np.asarray(fns[key][1](restored["params"], restored["batch_stats"], x_test))
+        rows[key] = {
+            "first": times[key][0],
+            "steady": float(np.median(times[key][1:])),
+            "accuracy": float(np.mean(np.argmax(logits, -1) == y_test)),
+            "loss": float(loss),
+            "finite": bool(np.all(np.isfinite(logits))),
+            "restored_same_bits": bool(
+                np.array_equal(logits.view(np.uint32), again.view(np.uint32))
+            ),
+        }
+    paired = np.array(times["ours"][1:]) / np.array(times["flax"][1:])
+    rows["paired"] = tuple(float(q) for q in np.percentile(paired, [25, 50, 75]))
+    return rows
+
+
+def flax_table(args):
+    print(
+        f"Flax models, {args.steps} training steps of 64 (optax Adam, jax.jit), held-out "
+        "2048; seconds; Flax's normalization layers against jax_kernel.flax.linen's"
+    )
+    print(
+        "| model | input offset | held-out accuracy: Flax | ours | final loss: Flax | ours "
+        "| first step: Flax | ours | ratio | steady: Flax | ours | ratio "
+        "| per-pair ratio: median (quartiles) | checkpoint round trip: same bits |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in args.models:
+        for offset in args.offsets:
+            r = flax_experiment(model, offset, args.steps)
+            f, o = r["flax"], r["ours"]
+            q1, q2, q3 = r["paired"]
+            print(
+                f"| {model} | {offset:g} | {f['accuracy']:.3f} | {o['accuracy']:.3f} | "
+                f"{f['loss']:.3g} | {o['loss']:.3g} | {f['first']:.2f} | {o['first']:.2f} | "
+                f"{o['first'] / f['first']:.2f} | {f['steady'] * 1e3:.1f} ms | "
+                f"{o['steady'] * 1e3:.1f} ms | {o['steady'] / f['steady']:.2f} | "
+                f"{q2:.2f} ({q1:.2f}-{q3:.2f}) | "
+                f"{f['restored_same_bits']} / {o['restored_same_bits']} |",
+                flush=True,
+            )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,9 +383,16 @@ def main(argv=None):
     s.add_argument("--steps", type=int, default=10)
     o = sub.add_parser("offset", help="inference after training at N(1e6, 1)")
     o.add_argument("--steps", type=int, default=2048)
+    f = sub.add_parser("flax", help="a Flax CNN and encoder trained with Flax's and our layers")
+    f.add_argument("--models", nargs="+", default=["CNN", "Encoder"])
+    f.add_argument("--offsets", nargs="+", type=float, default=[0.0, 1e4, 1e6])
+    f.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     if args.command == "speed":
         speed(args)
+        return
+    if args.command == "flax":
+        flax_table(args)
         return
     print(f"input BN on N(1e6, 1) features, MLP, momentum 0.99, {args.steps} steps of 32")
     print("| layer | max abs moving-mean error | held-out accuracy | stall warnings |")

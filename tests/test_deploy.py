@@ -160,11 +160,9 @@ def test_keras_model_export_is_portable_and_serves_without_the_package(tmp_path)
     live = model(tf.constant(x), training=False).numpy()  # eager: the native ops
     assert not _stable_ops(path)
     (out,) = _serve("savedmodel", path, x, tmp_path)
-    # The statistics are certified (the bits of every kernel); the layers' arithmetic
-    # after them is TensorFlow's, which the loaded graph evaluates with other fusions
-    # (measured: up to 2 ulps of the outputs, of size 1).  Same bits in every mode are
-    # issue #27's; here the artifact must serve the live model's values.
-    np.testing.assert_allclose(out, live, rtol=1e-6, atol=1e-6)
+    # Certified statistics and output formulas with every rounding fixed (docs section
+    # 14): the loaded graph serves the live model's bits.
+    np.testing.assert_array_equal(_bits(out), _bits(live))
     # On request, the native ops (an artifact for where the package is installed).
     native = tmp_path / "native"
     with tsm.portable(False):
@@ -182,10 +180,9 @@ def test_keras_jax_model_export_serves_without_the_package(tmp_path):
     script = ROOT / "tests" / "_deploy_keras_jax.py"
     _python([script, source, artifact, live], ROOT, KERAS_BACKEND="jax", PYTHONPATH=path)
     (out,) = _serve("savedmodel", artifact, x, tmp_path)
-    # As for the TF export: certified statistics, the layers' arithmetic after them
-    # evaluated by another compiler (measured: 94% of the outputs the same bits, the
-    # others one ulp apart); same bits in every mode are issue #27's.
-    np.testing.assert_allclose(out, np.load(live), rtol=1e-6, atol=1e-6)
+    # As for the TF export: certified statistics and fixed roundings, evaluated by
+    # TensorFlow's StableHLO instead of JAX: the same bits.
+    np.testing.assert_array_equal(_bits(out), _bits(np.load(live)))
 
 
 def test_portable_block_traces_standard_operations_and_rejects_a_non_bool():
