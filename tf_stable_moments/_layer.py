@@ -679,12 +679,16 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
         # keras's moving averages, each RN32(RN64(a m + b (1 - m))): docs section 14
         blend = _formulas().blend
         momentum, rest = self.momentum, 1.0 - self.momentum
-        self.moving_variance.assign(blend(moving_variance, momentum, variance, rest))
         if not self.compensated_moving_stats:
             # Warns once if it cannot move; returns moving_mean (on JAX through the check).
             moving_mean = _advice.check(self, moving_mean, mean_hi, variance)
-            self.moving_mean.assign(blend(moving_mean, momentum, mean_hi, rest))
+            # Both averages in one call (one compiled call in eager mode, not two).
+            moving = ops.stack([moving_variance, moving_mean])
+            new = blend(moving, momentum, ops.stack([variance, mean_hi]), rest)
+            self.moving_variance.assign(new[0])
+            self.moving_mean.assign(new[1])
             return
+        self.moving_variance.assign(blend(moving_variance, momentum, variance, rest))
         correction = ops.cast(self.moving_mean_correction, mean_hi.dtype)
         delta = ((mean_hi - moving_mean) + mean_lo) - correction
         moving_mean, correction = two_sum(moving_mean, blend(delta, rest, correction, 1.0))
