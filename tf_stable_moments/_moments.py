@@ -131,17 +131,18 @@ def _context_cache():
         return _cache
 
 
-def _compiled(key, fn, spec):
-    """A jit_compile tf.function of the current context, traced once per key: its
-    concrete function (the signature is fixed), which eager mode calls in about 0.2 ms
-    where the polymorphic function's argument binding takes about 0.45 ms (measured
-    on a blend of two 64-vectors; a BatchNormalization step in eager mode makes three
-    such calls)."""
+def _compiled(key, fn, spec, jit_compile=True):
+    """A tf.function of the current context (jit_compile by default; None: for calls
+    from graphs that XLA compiles, which inlines it), traced once per key: its concrete
+    function (the signature is fixed), which eager mode calls in about 0.2 ms where the
+    polymorphic function's argument binding takes about 0.45 ms (measured on a blend of
+    two 64-vectors; a BatchNormalization step in eager mode makes two such calls)."""
     functions = _context_cache()["functions"]
+    key = (key, jit_compile)
     with _lock:
         if key not in functions:
             functions[key] = tf.function(
-                fn, input_signature=spec, jit_compile=True, autograph=False
+                fn, input_signature=spec, jit_compile=jit_compile, autograph=False
             ).get_concrete_function()
         return functions[key]
 
