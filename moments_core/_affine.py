@@ -42,6 +42,7 @@ _HIGH_25 = -(1 << 28)
 _DROPPED = 29
 _HALF = (1 << (_DROPPED - 1)) - 1  # half an ulp of the kept bits, less one unit
 _KEEP = -(1 << _DROPPED)
+_INF_BITS = 0x7F800000  # float32 +inf's encoding: above it (as a magnitude), the NaNs
 
 
 def round32(ops, a):
@@ -130,8 +131,22 @@ def rsqrt32(ops, v):
     above = _square_times_below_one(ops, m_up, v64)
     below = ~_square_times_below_one(ops, m_down, v64)
     corrected = ops.where(above, up, ops.where(below, down, t))
-    regular = (t > 0) & (t < float("inf"))
-    return ops.where(regular, corrected, t)
+    # Tests on the encodings, not float comparisons: TensorFlow's XLA CPU code was seen
+    # to return inf for a NaN or negative v in some shapes and not in others (comparisons
+    # with NaN not honoured), where integer comparisons hold.
+    t_bits, v_bits = ops.bitcast(t, "int32"), ops.bitcast(v, "int32")
+    regular = (t_bits > 0) & (t_bits < _INF_BITS)  # t positive and finite
+    magnitude = ops.band(v_bits, 0x7FFFFFFF)
+    invalid = (magnitude > _INF_BITS) | ((v_bits < 0) & ops.ne(magnitude, 0))  # NaN, v < 0
+    return ops.where(invalid, float("nan"), ops.where(regular, corrected, t))
+
+
+def canonical_nan(ops, y):
+    """float32 y with every NaN the quiet NaN 0x7FC00000 (an integer test on the encoding):
+    a NaN's sign and payload depend on which operand a machine instruction propagates,
+    which compilers reorder, so the formulas' results name one NaN."""
+    magnitude = ops.band(ops.bitcast(y, "int32"), 0x7FFFFFFF)
+    return ops.where(magnitude > _INF_BITS, float("nan"), y)
 
 
 def div32(ops, a, s):
@@ -191,7 +206,7 @@ def blend32(ops, a, wa, b, wb):
     sum rounds the same exact value once."""
     p = ops.cast(a, "float64") * ops.cast(wa, "float64")
     q = ops.cast(b, "float64") * ops.cast(wb, "float64")
-    return round32(ops, p + q)
+    return canonical_nan(ops, round32(ops, p + q))
 
 
 def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
@@ -209,9 +224,11 @@ def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
     # their chains (some 60 operations) into the per-element pass, once per element.
     t = ops.materialize(rsqrt32(ops, v))
     if gamma is None:
-        return (times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)), t
+        y = times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)
+        return canonical_nan(ops, y), t
     if shared:
         r, scale = r, ops.materialize(times32(ops, gamma, t))
     else:
         r, scale = times32(ops, r, t), gamma
-    return (times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)), t
+    y = times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)
+    return canonical_nan(ops, y), t

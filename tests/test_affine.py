@@ -171,3 +171,66 @@ def test_plain_multiply_add_is_contracted_under_xla():
     eager = (tensors[0] * tensors[1] + tensors[2]).numpy()
     xla = tf.function(lambda r, f, b: r * f + b, jit_compile=True)(*tensors).numpy()
     assert np.count_nonzero(eager.view(np.uint32) != xla.view(np.uint32)) > 0
+
+
+# ------------------------------------------- the native CPU ops (stable_moments_op.cc)
+def _native_scale_shift_cases():
+    """(name, r, v, gamma, beta, shared): the layers' layouts (BN per channel, BN with
+    channels first, LN per sample, no gamma, no beta), operands with the sign of zero,
+    subnormals, infinities and NaN among them."""
+    special = _f32([0, -0.0, 1e-45, -1e-45, 1e-40, 2.0**-126, 1, 3, 1e30, 3e38])
+    special = np.concatenate([special, _f32([np.inf, -np.inf, np.nan, -1, 2.5e-30])])
+    r = np.concatenate([special, _signed()[: 16 * 64 - special.size]]).reshape(16, 4, 16)
+    v = np.concatenate([_f32([0, 1e-45, np.inf, np.nan, -1]), _positive()[:11]])
+    g, b = _signed()[:16], np.concatenate([special[:6], _signed(0.1)[:10]])
+    per_sample = _positive()[:16].reshape(16, 1, 1)
+    return [
+        ("bn", r, v, g, b, True),
+        (
+            "bn_channels_first",
+            r.transpose(0, 2, 1).copy(),
+            v[:, None],
+            g[:, None],
+            b[:, None],
+            True,
+        ),
+        ("bn_no_gamma", r, v, None, b, True),
+        ("bn_no_beta", r, v, g, None, True),
+        ("ln", r, per_sample, g, b, False),
+        ("ln_no_beta", r, per_sample, g, None, False),
+        ("ln_no_gamma", r, per_sample, None, b, False),
+    ]
+
+
+@pytest.mark.parametrize("case", _native_scale_shift_cases(), ids=lambda c: c[0])
+def test_native_formula_ops_give_the_xla_formulas_bits(case):
+    """Outside XLA on the CPU the layers run StableScaleShift and StableBlend (one op each,
+    nothing compiled per shape): every bit (NaN's too) that of the formulas compiled by
+    XLA, which test_times_affine_blend_have_their_defined_roundings ties to the oracle."""
+    from tf_stable_moments import _native, _output
+
+    _, r, v, g, b, shared = case
+    args = [None if a is None else tf.constant(a) for a in (r, v, g, b)]
+    native = _native.formula_op("scale_shift", args[0])
+    assert (native is not None) == (_native.op() is not None)  # served where it exists
+    eager = _output.scale_shift(*args, shared=shared).numpy()
+    xla = tf.function(lambda *a: _output.scale_shift(*a, shared=shared), jit_compile=True)
+    np.testing.assert_array_equal(eager.view(np.uint32), xla(*args).numpy().view(np.uint32))
+    a, c = args[0], tf.reverse(args[0], [0])
+    blend_eager = _output.blend(a, 0.9, c, 0.1).numpy()
+    blend_xla = tf.function(lambda a, c: _output.blend(a, 0.9, c, 0.1), jit_compile=True)
+    np.testing.assert_array_equal(
+        blend_eager.view(np.uint32), blend_xla(a, c).numpy().view(np.uint32)
+    )
+
+
+def test_native_scale_shift_rejects_operands_that_do_not_broadcast():
+    from tf_stable_moments import _native
+
+    x = tf.ones([4, 3])
+    op = _native.formula_op("scale_shift", x)
+    if op is None:  # native kernel off: the layers take the XLA formulas (tested above)
+        assert _native.op() is None
+        return
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"operand 1 of shape \[2\]"):
+        op(x, tf.ones([2]), tf.ones([]), tf.ones([]), has_gamma=False, has_beta=False, shared=True)

@@ -124,11 +124,24 @@ def _compiled(name, fn, args, **options):
     return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, jit)(*args)
 
 
+def _native_formula(name, x):
+    """The native CPU op of formula `name` where it serves x (outside XLA, on the CPU,
+    the native kernel on and not tracing for an export), else None: the same bits."""
+    if in_xla_context():
+        return None
+    from tf_stable_moments import _native
+
+    return _native.formula_op(name, x)
+
+
 def blend(a, wa, b, wb):
     """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands; no derivative."""
     a, b = tf.stop_gradient(a), tf.stop_gradient(b)
     wa, wb = (tf.constant(w, a.dtype) if not tf.is_tensor(w) else w for w in (wa, wb))
     if _certified(a, wa, b, wb):  # (weights of any rank that broadcasts: scalars)
+        native = _native_formula("blend", a)
+        if native is not None:
+            return native(a, wa, b, wb)
         return _compiled("blend", _affine.blend32, (a, wa, b, wb))
     return a * wa + b * wb
 
@@ -148,14 +161,27 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     @tf.custom_gradient
     def fn(r, v, *present):
         g, b = _unpack(present, gamma, beta)
-        y, _ = _compiled(
-            "scale_shift",
-            _scale_shift_args,
-            (r, v, *present),
-            has_gamma=g is not None,
-            has_beta=b is not None,
-            shared=shared,
-        )
+        native = _native_formula("scale_shift", r)
+        if native is not None:  # one CPU op (stable_moments_op.cc): nothing to compile
+            unused = tf.zeros([], r.dtype)
+            y = native(
+                r,
+                v,
+                unused if g is None else g,
+                unused if b is None else b,
+                has_gamma=g is not None,
+                has_beta=b is not None,
+                shared=shared,
+            )
+        else:
+            y, _ = _compiled(
+                "scale_shift",
+                _scale_shift_args,
+                (r, v, *present),
+                has_gamma=g is not None,
+                has_beta=b is not None,
+                shared=shared,
+            )
 
         def grad(dy):
             t = 1.0 / tf.sqrt(v)

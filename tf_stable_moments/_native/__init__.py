@@ -24,7 +24,15 @@ from tf_stable_moments import _centre_grad
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
 _lock = threading.Lock()
-_state = {"tried": False, "op": None, "mean_lo": None, "stall": None, "centre": None}
+_state = {
+    "tried": False,
+    "op": None,
+    "mean_lo": None,
+    "stall": None,
+    "centre": None,
+    "scale_shift": None,
+    "blend": None,
+}
 
 
 def _load():
@@ -123,6 +131,8 @@ def op():
                 _state["mean_lo"] = lib.stable_mean_lo
                 _state["stall"] = lib.stable_stall_check
                 _state["centre"] = lib.stable_centre
+                _state["scale_shift"] = lib.stable_scale_shift
+                _state["blend"] = lib.stable_blend
         return _state["op"]
 
 
@@ -139,6 +149,12 @@ def stall_op():
 def centre_op():
     """The StableCentre op function of the same library, or None (as `op`)."""
     return _state["centre"] if op() is not None else None
+
+
+def formula_op(name, x):
+    """The StableScaleShift ("scale_shift") or StableBlend ("blend") op function where it
+    may compute on x (`serves`: the CPU, outside XLA), else None."""
+    return _state[name] if serves(x) else None
 
 
 # ------------------------------------------------------------- inside XLA (jit_compile)

@@ -18,6 +18,8 @@
 #include <Python.h>
 
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -30,6 +32,7 @@
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
 #include "xla/service/custom_call_status.h"
 #include "xla/service/custom_call_target_registry.h"
 
@@ -426,6 +429,264 @@ class StableStallCheckOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("StableStallCheck").Device(DEVICE_CPU), StableStallCheckOp);
+
+// "StableScaleShift" and "StableBlend": the layers' output formulas of docs section 14
+// (moments_core/_affine.py `scale_shift32`, `blend32`) as CPU ops, so that TensorFlow
+// outside XLA (eager mode, tf.function without jit_compile) runs them as one op per layer
+// with nothing to compile per shape.  Compiled with -ffp-contract=off: every operation
+// below is one IEEE operation, the products of two float32 are exact in double, and each
+// conversion double -> float rounds once to nearest even: the values of the formulas,
+// whose roundings no compiler can change.  Subnormal inputs and results are flushed to
+// zero (sign kept), as TensorFlow's and XLA's CPU kernels do, so the bits are those of
+// the XLA formulas on the CPU.
+REGISTER_OP("StableScaleShift")
+    .Input("r: float")
+    .Input("v: float")
+    .Input("gamma: float")
+    .Input("beta: float")
+    .Attr("has_gamma: bool")
+    .Attr("has_beta: bool")
+    .Attr("shared: bool")
+    .Output("y: float")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return Status();
+    });
+
+REGISTER_OP("StableBlend")
+    .Input("a: float")
+    .Input("wa: float")
+    .Input("b: float")
+    .Input("wb: float")
+    .Output("y: float")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return Status();
+    });
+
+inline float Flush(float a) {
+  return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a;
+}
+
+// The formulas' float32 result: flushed, and any NaN the quiet NaN 0x7FC00000
+// (_affine.canonical_nan: a NaN's sign and payload follow the operand order).
+inline float Round(double a) {
+  const float y = Flush(static_cast<float>(a));
+  return y != y ? std::numeric_limits<float>::quiet_NaN() : y;
+}
+
+inline uint32_t Bits(float a) {
+  uint32_t u;
+  std::memcpy(&u, &a, 4);
+  return u;
+}
+
+inline float FromBits(uint32_t u) {
+  float a;
+  std::memcpy(&a, &u, 4);
+  return a;
+}
+
+// m * m * v < 1 exactly, for m of at most 25 bits and m * m * v within a factor 2 of 1
+// (_affine._square_times_below_one): m * m is exact (50 bits), split into h (its leading
+// 25 bits) and l (exact), h * v and l * v are exact, h * v - 1 is exact (Sterbenz).
+inline bool SquareTimesBelowOne(double m, double v) {
+  double mm = m * m;
+  uint64_t u;
+  std::memcpy(&u, &mm, 8);
+  u &= ~((uint64_t{1} << 28) - 1);
+  double h;
+  std::memcpy(&h, &u, 8);
+  double l = mm - h;
+  return h * v - 1.0 < -(l * v);
+}
+
+// RN32(1 / sqrt(v)) (_affine.rsqrt32): a guess from double, corrected by the exact tests
+// at the midpoints to its neighbours; 0, inf, NaN and negative v keep the guess.
+inline float Rsqrt32(float v) {
+  if (v != v || v < 0.0f) return std::numeric_limits<float>::quiet_NaN();
+  double v64 = Flush(v);
+  float t = static_cast<float>(1.0 / std::sqrt(v64));
+  if (!(t > 0.0f && t < INFINITY)) return t;
+  float down = FromBits(Bits(t) - 1), up = FromBits(Bits(t) + 1);
+  double t64 = t;
+  double m_down = (static_cast<double>(down) + t64) * 0.5;
+  double m_up = (t64 + static_cast<double>(up)) * 0.5;
+  if (SquareTimesBelowOne(m_up, v64)) return up;
+  if (!SquareTimesBelowOne(m_down, v64)) return down;
+  return t;
+}
+
+// Strides (in elements) of `operand` broadcast against `shape` (numpy rules: trailing
+// dimensions aligned, size-1 or missing dimensions repeated): 0 where it is repeated.
+bool BroadcastStrides(const TensorShape& operand, const TensorShape& shape,
+                      std::vector<int64_t>* strides) {
+  const int rank = shape.dims(), own = operand.dims();
+  if (own > rank) return false;
+  strides->assign(rank, 0);
+  int64_t stride = 1;
+  for (int k = own - 1; k >= 0; --k) {
+    const int64_t d = operand.dim_size(k), full = shape.dim_size(rank - own + k);
+    if (d != 1 && d != full) return false;
+    (*strides)[rank - own + k] = d == 1 ? 0 : stride;
+    stride *= d;
+  }
+  return true;
+}
+
+// Calls body(i, n, offsets, steps) for the rows [first, last) of the last dimension of
+// `shape` (row-major): elements i .. i + n - 1; operand j's element k of the row is
+// offsets[j] + k * steps[j] (its broadcast strides).  Rank 0 is one row of one element.
+template <typename Body>
+void ForEachRow(const TensorShape& shape, const std::vector<std::vector<int64_t>>& strides,
+                int64_t first, int64_t last, Body body) {
+  const int rank = shape.dims();
+  const size_t k = strides.size();
+  const int64_t n = rank ? shape.dim_size(rank - 1) : 1;
+  std::vector<int64_t> index(rank, 0), offsets(k, 0), steps(k, 0);
+  for (size_t j = 0; j < k; ++j) steps[j] = rank ? strides[j][rank - 1] : 0;
+  for (int64_t d = rank - 2, rest = first; d >= 0; --d) {  // row `first`'s index
+    index[d] = rest % shape.dim_size(d);
+    rest /= shape.dim_size(d);
+    for (size_t j = 0; j < k; ++j) offsets[j] += index[d] * strides[j][d];
+  }
+  for (int64_t row = first; row < last; ++row) {
+    body(row * n, n, offsets.data(), steps.data());
+    for (int d = rank - 2; d >= 0; --d) {  // the odometer over the outer dimensions
+      if (++index[d] < shape.dim_size(d)) {
+        for (size_t j = 0; j < k; ++j) offsets[j] += strides[j][d];
+        break;
+      }
+      for (size_t j = 0; j < k; ++j) offsets[j] -= strides[j][d] * (shape.dim_size(d) - 1);
+      index[d] = 0;
+    }
+  }
+}
+
+// ForEachRow over every row, sharded over TensorFlow's CPU worker threads (each element
+// is computed alone: the bits do not depend on the sharding).
+template <typename Body>
+void ForEachRowParallel(OpKernelContext* ctx, const TensorShape& shape,
+                        const std::vector<std::vector<int64_t>>& strides, Body body) {
+  const int rank = shape.dims();
+  const int64_t n = rank ? shape.dim_size(rank - 1) : 1;
+  if (shape.num_elements() == 0 || n == 0) return;
+  const int64_t rows = shape.num_elements() / n;
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  tensorflow::Shard(workers->num_threads, workers->workers, rows, 20 * n,
+                    [&](int64_t first, int64_t last) {
+                      ForEachRow(shape, strides, first, last, body);
+                    });
+}
+
+// One element of StableScaleShift (r, its t, gamma and beta values).
+inline float ScaleShift(float r, float t, float g, float b, bool has_gamma, bool has_beta,
+                        bool shared) {
+  const double x = Flush(r), ti = t;
+  double factor = ti, value = x;
+  if (has_gamma) {
+    if (shared) {  // f = RN32(gamma t), y = RN32(RN64(r f + beta))
+      factor = Round(static_cast<double>(Flush(g)) * ti);
+    } else {  // p = RN32(r t), y = RN32(RN64(p gamma + beta))
+      value = Round(x * ti);
+      factor = Flush(g);
+    }
+  }
+  const double product = value * factor;  // exact: two float32 values
+  return Round(has_beta ? product + static_cast<double>(Flush(b)) : product);
+}
+
+class StableScaleShiftOp : public OpKernel {
+ public:
+  explicit StableScaleShiftOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("has_gamma", &has_gamma_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("has_beta", &has_beta_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shared", &shared_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& r = ctx->input(0);
+    const TensorShape& shape = r.shape();
+    std::vector<std::vector<int64_t>> strides(3);
+    for (int j = 0; j < 3; ++j) {
+      OP_REQUIRES(ctx, BroadcastStrides(ctx->input(j + 1).shape(), shape, &strides[j]),
+                  tensorflow::errors::InvalidArgument(
+                      "StableScaleShift: operand ", j + 1, " of shape ",
+                      ctx->input(j + 1).shape().DebugString(), " does not broadcast to ",
+                      shape.DebugString()));
+    }
+    const float* v = ctx->input(1).flat<float>().data();
+    std::vector<float> t(ctx->input(1).NumElements());
+    for (size_t i = 0; i < t.size(); ++i) t[i] = Rsqrt32(v[i]);
+    const float* rr = r.flat<float>().data();
+    const float* g = ctx->input(2).flat<float>().data();
+    const float* b = ctx->input(3).flat<float>().data();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    float* y = out->flat<float>().data();
+    const bool has_gamma = has_gamma_, has_beta = has_beta_, shared = shared_;
+    const float* tv = t.data();
+    ForEachRowParallel(ctx, shape, strides, [&](int64_t i, int64_t n, const int64_t* o,
+                                                const int64_t* s) {
+      if (has_gamma && has_beta && shared && s[0] == 1 && s[1] == 1 && s[2] == 1) {
+        // BatchNormalization, channels last: the factors of the row, then a loop the
+        // compiler vectorizes (the same operations as ScaleShift, element by element)
+        std::vector<double> f(n), c(n);
+        for (int64_t k = 0; k < n; ++k) {
+          f[k] = Round(static_cast<double>(Flush(g[o[1] + k])) * tv[o[0] + k]);
+          c[k] = Flush(b[o[2] + k]);
+        }
+        for (int64_t k = 0; k < n; ++k) {
+          y[i + k] = Round(static_cast<double>(Flush(rr[i + k])) * f[k] + c[k]);
+        }
+        return;
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        y[i + k] = ScaleShift(rr[i + k], tv[o[0] + k * s[0]], g[o[1] + k * s[1]],
+                              b[o[2] + k * s[2]], has_gamma, has_beta, shared);
+      }
+    });
+  }
+
+ private:
+  bool has_gamma_ = true, has_beta_ = true, shared_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StableScaleShift").Device(DEVICE_CPU), StableScaleShiftOp);
+
+class StableBlendOp : public OpKernel {
+ public:
+  explicit StableBlendOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const TensorShape& shape = ctx->input(0).shape();
+    std::vector<std::vector<int64_t>> strides(4);
+    for (int j = 0; j < 4; ++j) {
+      OP_REQUIRES(ctx, BroadcastStrides(ctx->input(j).shape(), shape, &strides[j]),
+                  tensorflow::errors::InvalidArgument(
+                      "StableBlend: operand ", j, " of shape ",
+                      ctx->input(j).shape().DebugString(), " does not broadcast to ",
+                      shape.DebugString()));
+    }
+    const float* in[4];
+    for (int j = 0; j < 4; ++j) in[j] = ctx->input(j).flat<float>().data();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    float* y = out->flat<float>().data();
+    ForEachRowParallel(ctx, shape, strides, [&](int64_t i, int64_t n, const int64_t* o,
+                                                const int64_t* s) {
+      for (int64_t k = 0; k < n; ++k) {  // RN32(RN64(a wa + b wb)): products exact
+        const double p = static_cast<double>(Flush(in[0][o[0] + k * s[0]])) *
+                         Flush(in[1][o[1] + k * s[1]]);
+        const double q = static_cast<double>(Flush(in[2][o[2] + k * s[2]])) *
+                         Flush(in[3][o[3] + k * s[3]]);
+        y[i + k] = Round(p + q);
+      }
+    });
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("StableBlend").Device(DEVICE_CPU), StableBlendOp);
 
 // ------------------------------------------------------------------ XLA custom calls
 // Inside a user's XLA computation on the CPU no TensorFlow kernel runs: the Python wrapper
