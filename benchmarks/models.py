@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/models.py speed [--model ResNet50] [--size 32] [--batch 16] [--steps 10]
     python benchmarks/models.py offset [--steps 2048]
+    python benchmarks/models.py flax [--models CNN Encoder] [--offsets 0 1e4 1e6] [--steps 300]
 
 ``speed``: a keras.applications model (weights=None) with keras's BatchNormalization, or
 ``--model Encoder`` (a 4-block pre-LN transformer encoder: 8 LayerNormalization, d 128,
@@ -15,6 +16,11 @@ again where the mode compiles per shape) of ``train_on_batch``, in TF eager
 (a subprocess per backend: the backend is fixed when keras is imported).  The two models
 alternate step by step in one process, so load on a shared machine hits both alike; the
 quartiles of the per-pair ratio (ours / keras over consecutive steps) show the spread.
+
+``flax``: a small Flax CNN (BatchNorm) and a pre-LN encoder (LayerNorm) trained with
+optax under jax.jit on inputs at an offset, with Flax's layers and with
+jax_kernel.flax.linen's alternating step by step: held-out accuracy, first and steady
+step times, and a checkpoint round trip (`flax_experiment`).
 
 ``offset``: an MLP whose input BatchNormalization sees N(1e6, 1) features (momentum 0.99,
 ``--steps`` steps of batch 32): moving-mean error and held-out accuracy for keras's layer
