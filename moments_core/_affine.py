@@ -63,7 +63,8 @@ def round32(ops, a):
     conversion then gives inf, as it would have).  Infinities have no dropped bits, and
     neither have the NaNs that reach it: a float32 widened has 29 zero low bits, and
     float64 arithmetic returns the default NaN or a NaN operand's payload; with no
-    dropped bits nothing carries, and the value stays as it is.  Results below the
+    dropped bits nothing carries, and the value stays a NaN, returned as the one quiet
+    NaN of `canonical_nan` (every formula's float32 results come from here).  Results below the
     float32 normal range (2**-126) are rounded to 24 bits here and again by the
     conversion, and flushed to zero where the device flushes subnormals (TensorFlow
     and JAX on the CPU): the one case where the bits follow the device.
@@ -71,7 +72,7 @@ def round32(ops, a):
     bits = ops.bitcast(a, "int64")
     lowest_kept = ops.band(ops.shr(bits, _DROPPED), 1)
     rounded = ops.band(bits + (lowest_kept + _HALF), _KEEP)
-    return ops.cast(ops.bitcast(rounded, "float64"), "float32")
+    return canonical_nan(ops, ops.cast(ops.bitcast(rounded, "float64"), "float32"))
 
 
 def _float32_neighbours(ops, t):
@@ -206,13 +207,13 @@ def blend32(ops, a, wa, b, wb):
     sum rounds the same exact value once."""
     p = ops.cast(a, "float64") * ops.cast(wa, "float64")
     q = ops.cast(b, "float64") * ops.cast(wb, "float64")
-    return canonical_nan(ops, round32(ops, p + q))
+    return round32(ops, p + q)
 
 
 def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
     """A normalization layer's output from r (centred input), v = var + eps (per slice,
-    broadcast against r), gamma and beta (None where absent), all float32, and the
-    per-slice t = rsqrt32(v) (returned too, for the gradients):
+    broadcast against r), gamma and beta (None where absent), all float32, with the
+    per-slice t = rsqrt32(v):
 
       shared (gamma per slice, as t: BatchNormalization):  y = RN32(RN64(r f + beta)),
           f = times32(gamma, t);
@@ -224,11 +225,9 @@ def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
     # their chains (some 60 operations) into the per-element pass, once per element.
     t = ops.materialize(rsqrt32(ops, v))
     if gamma is None:
-        y = times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)
-        return canonical_nan(ops, y), t
+        return times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)
     if shared:
         r, scale = r, ops.materialize(times32(ops, gamma, t))
     else:
         r, scale = times32(ops, r, t), gamma
-    y = times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)
-    return canonical_nan(ops, y), t
+    return times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)

@@ -216,6 +216,13 @@ def test_native_formula_ops_give_the_xla_formulas_bits(case):
     eager = _output.scale_shift(*args, shared=shared).numpy()
     xla = tf.function(lambda *a: _output.scale_shift(*a, shared=shared), jit_compile=True)
     np.testing.assert_array_equal(eager.view(np.uint32), xla(*args).numpy().view(np.uint32))
+    from jax_kernel import _output as jax_output  # JAX composes the same formulas
+
+    jax_args = [None if a is None else jax.numpy.asarray(a) for a in (r, v, g, b)]
+    jitted = jax.jit(lambda *a: jax_output.scale_shift(*a, shared=shared))
+    np.testing.assert_array_equal(
+        eager.view(np.uint32), np.asarray(jitted(*jax_args)).view(np.uint32)
+    )
     a, c = args[0], tf.reverse(args[0], [0])
     blend_eager = _output.blend(a, 0.9, c, 0.1).numpy()
     blend_xla = tf.function(lambda a, c: _output.blend(a, 0.9, c, 0.1), jit_compile=True)

@@ -174,7 +174,7 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
                 shared=shared,
             )
         else:
-            y, _ = _compiled(
+            y = _compiled(
                 "scale_shift",
                 _scale_shift_args,
                 (r, v, *present),
