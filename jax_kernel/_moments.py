@@ -190,6 +190,11 @@ def _kernel_outputs(x, axes, ddof, lo, exact_only, native, f32=False):
 # The kernel as a primitive whose lowering depends on the platform it is lowered for: the
 # native FFI call (registered for the CPU only) where `native` allows it on the CPU, the
 # XLA kernel everywhere else.  Device data never reach the CPU's native kernel.
+try:  # public in jax.core up to 0.10 (deprecated there in favour of jax.extend)
+    from jax.core import ShapedArray as _ShapedArray
+except ImportError:  # pragma: no cover (newer JAX)
+    from jax._src.core import ShapedArray as _ShapedArray
+
 _stats_p = Primitive("tf_stable_moments_stats")
 _stats_p.multiple_results = True
 
@@ -198,9 +203,9 @@ _stats_p.multiple_results = True
 def _stats_abstract(x, *, axes, ddof, lo, exact_only, native, x64):
     work = _compute_dtype(x.dtype)
     kept = math.prod(d for a, d in enumerate(x.shape) if a not in axes)  # symbolic dims too
-    vector = jax.core.ShapedArray((kept,), work)
+    vector = _ShapedArray((kept,), work)
     k = 2 if jnp.iscomplexobj(x) else 1
-    return [vector] * (k + 1) + [jax.core.ShapedArray((), np.int32)] + [vector] * (k * lo)
+    return [vector] * (k + 1) + [_ShapedArray((), np.int32)] + [vector] * (k * lo)
 
 
 _kernel_outputs_jit = jax.jit(
