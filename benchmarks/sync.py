@@ -24,6 +24,15 @@ batch of replicas x rows N(1e6, 1) float32 rows of `channels` channels is timed
     (float64 from the exact mean and variance of tf_stable_moments/_oracle.py):
     the largest absolute error of y (y is of size 1).
 
+With --jax, the same for JAX (one process, 8 virtual CPU devices, `jax.shard_map` over
+2, 4 and 8 of them): Flax's `flax.linen.BatchNorm(axis_name=...)` (one pmean of float32
+sums and squares: fast, inexact) against `jax_kernel.flax.linen.BatchNorm(axis_name=...)`
+with the certified merge (docs section 13b: one all-reduce of the fast sums and bounds)
+and with every replica's exact state psum-ed (the path before it: the private switch
+`jax_kernel._centre._sync_exact_states`); `jax.jit` of forward and gradients of
+sum(y * w), median of `steps`, and the largest error of y against the exact
+normalisation.
+
 Each (replicas, layer) runs in its own process: TensorFlow fixes the logical devices
 at start-up, and a second MirroredStrategy in one process would restart the collective
 instance keys.  This is a benchmark, not a test: the figures depend on the machine.
@@ -40,6 +49,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout, not an installed copy
+    sys.path.insert(0, str(ROOT))
 LAYERS = ("state", "gather", "keras")
 REPLICAS = (2, 4, 8)
 
@@ -66,13 +77,13 @@ def _collective_bytes(graph, replicas, rows, channels):
     return total
 
 
-def _exact_output(x):
+def _exact_output(x, eps=1e-3):
     """(x - mean) / sqrt(var + eps) per channel, from the exact mean and variance (float64)."""
     from tf_stable_moments._oracle import exact_value
 
     exact = [exact_value(column, x.dtype) for column in x.T]
     mean, var = (np.array([float(v) for v in t]) for t in zip(*exact))
-    return (x.astype(np.float64) - mean) / np.sqrt(var + 1e-3)
+    return (x.astype(np.float64) - mean) / np.sqrt(var + eps)
 
 
 def run_one(replicas, layer_kind, rows, channels, steps):
@@ -140,13 +151,109 @@ def run_one(replicas, layer_kind, rows, channels, steps):
     }
 
 
+def run_jax(rows, channels, steps, dist):
+    """Rows of the JAX table (see the module docstring), in this process (8 devices)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from jax_kernel import _centre
+    from jax_kernel.flax import linen as stable
+
+    out = []
+    for replicas in REPLICAS:
+        rng = np.random.default_rng(replicas)
+        x = (dist[0] + dist[1] * rng.standard_normal((replicas * rows, channels))).astype(
+            np.float32
+        )
+        w = rng.standard_normal(x.shape).astype(np.float32)
+        exact = _exact_output(x, 1e-5)  # Flax's epsilon
+        mesh = Mesh(np.array(jax.devices()[:replicas]), ("r",))
+        for kind in ("keras", "state", "merge"):
+            module = (nn if kind == "keras" else stable).BatchNorm(
+                use_running_average=False, momentum=0.9, axis_name="r"
+            )
+            variables = module.init(jax.random.PRNGKey(0), x[:rows])
+            _centre._sync_exact_states = kind == "state"
+
+            def loss(v, xs, ws, module=module):
+                y, _ = module.apply(v, xs, mutable=["batch_stats"])
+                return jnp.sum(y * ws), y
+
+            def step(v, xs, ws, loss=loss):
+                (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(v, xs, ws)
+                return y, grads
+
+            fn = jax.jit(
+                jax.shard_map(
+                    step,
+                    mesh=mesh,
+                    in_specs=(P(), P("r"), P("r")),
+                    out_specs=(P("r"), P()),
+                    check_vma=False,
+                )
+            )
+            y, _ = jax.block_until_ready(fn(variables, x, w))
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(variables, x, w))
+                times.append(time.perf_counter() - start)
+            error = float(np.max(np.abs(np.asarray(y, np.float64) - exact)))
+            name = {"keras": "flax", "state": "exact states", "merge": "certified merge"}[kind]
+            out.append(
+                {
+                    "replicas": replicas,
+                    "layer": name,
+                    "step_ms": 1e3 * float(np.median(times)),
+                    "error": error,
+                }
+            )
+            print(out[-1], flush=True)
+    _centre._sync_exact_states = False
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256, help="rows per replica")
     parser.add_argument("--channels", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--one", nargs=2, metavar=("REPLICAS", "LAYER"), help=argparse.SUPPRESS)
+    parser.add_argument("--jax", action="store_true", help="the JAX table (Flax layers)")
+    parser.add_argument("--loc", type=float, default=1e6, help="the data's offset (--jax)")
+    parser.add_argument("--scale", type=float, default=1.0, help="the data's spread (--jax)")
+    parser.add_argument("--jax-one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.jax_one:
+        print(
+            "RESULT "
+            + json.dumps(run_jax(args.rows, args.channels, args.steps, (args.loc, args.scale)))
+        )
+        return
+    if args.jax:
+        flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        env = {**os.environ, "XLA_FLAGS": flags.strip(), "TF_CPP_MIN_LOG_LEVEL": "3"}
+        cmd = [sys.executable, __file__, "--jax-one", "--rows", str(args.rows)]
+        cmd += ["--channels", str(args.channels), "--steps", str(args.steps)]
+        cmd += ["--loc", str(args.loc), "--scale", str(args.scale)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"{cmd} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        rows = json.loads(lines[-1][len("RESULT ") :])
+        print(
+            f"\nJAX, per replica: {args.rows} rows x {args.channels} channels, "
+            f"N({args.loc:g}, {args.scale:g}) float32; step = forward + gradients under "
+            f"jax.jit(shard_map), median of {args.steps}\n"
+        )
+        print("| replicas | layer | step ms | max abs error of y |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['replicas']} | {r['layer']} | {r['step_ms']:.2f} | {r['error']:.2g} |")
+        return
     if args.one:
         result = run_one(int(args.one[0]), args.one[1], args.rows, args.channels, args.steps)
         print("RESULT " + json.dumps(result))

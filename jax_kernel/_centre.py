@@ -36,33 +36,90 @@ def _stats(x, mask, axes):
     return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
 
 
+# Benchmarks only (benchmarks/sync.py --jax): True sends every format through the exact
+# states, the path before the certified merge.
+_sync_exact_states = False
+
+
 def _global_stats(x, mask, axes, axis_name, groups):
     """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
-    group of `groups`): each device's exact moments state, one psum of its int32 digits
-    (exact in any order), rounded once; mean_lo from its fixed-point sums, one more psum
-    (integers below 2**53: exact in any order).  The bits of one device holding all."""
-    state = jax.lax.psum(
-        _state_api.moments_state(x, axes, where=mask), axis_name, axis_index_groups=groups
-    )
-    mean, var = _state_api.state_moments(state)
+    group of `groups`), the bits of one device holding all.
+
+    float32, float16 and bfloat16: the certified merge (docs section 13b): one all-reduce
+    of each device's fast sums and their bounds (against a shift that one device of each
+    group gives), the rounding test on the global sums; only if some slice is left open
+    (a condition every device computes from a max over devices: all take the same branch)
+    the exact states of the slices, one psum of their int32 digits.  float64: the exact
+    states always.  mean_lo from fixed-point sums, one more psum (integers below 2**53:
+    exact in any order)."""
 
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
 
+    def all_min(t):
+        return jax.lax.pmin(t, axis_name, axis_index_groups=groups)
+
+    def exact_states():
+        state = all_sum(_state_api.moments_state(x, axes, where=mask))
+        return _state_api.state_moments(state)
+
+    fmt = FORMATS[jnp.dtype(x.dtype).name]
+    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
     with jax.enable_x64(True):
         laid, axis = _m._layout(x, axes)
-        valid = None
-        if mask is None:  # a static count: the constants of one device's kernel
-            size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
-            n = math.prod(x.shape[a] for a in axes) * size
+        valid = None if mask is None else _m._layout(mask, axes)[0]
+        count = None
+        if mask is not None:
+            count = jnp.sum(valid, axis).astype(jnp.int64)
+        if not fmt.wide or _sync_exact_states:  # float64: no merged bound of pairs
+            mean, var = exact_states()
+            m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
         else:
-            valid = _m._layout(mask, axes)[0]
-            digits = state.values.reshape(-1, state.values.shape[-1]).astype(jnp.int64)
-            n = digits[:, 0] + digits[:, 1] * 2**16 + digits[:, 2] * 2**32
-        fmt = FORMATS[jnp.dtype(x.dtype).name]
-        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
+            m64, v64, todo = _kernel.merge_fast(
+                _ops,
+                laid,
+                axis,
+                fmt,
+                _leader_sum(axis_name, groups),
+                all_sum,
+                all_min,
+                size,
+                count,
+                valid,
+            )
+            opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
+
+            def exact(m, v):
+                em, ev = exact_states()
+                em, ev = (t.reshape(-1).astype(jnp.float64) for t in (em, ev))
+                return jnp.where(todo, em, m), jnp.where(todo, ev, v)
+
+            m64, v64 = jax.lax.cond(opened > 0, exact, lambda m, v: (m, v), m64, v64)
+            mean, var = (t.astype(x.dtype).reshape(kept_shape) for t in (m64, v64))
+        n = math.prod(x.shape[a] for a in axes) * size if mask is None else all_sum(count)
         lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
     return mean, lo.astype(x.dtype).reshape(mean.shape), var
+
+
+def _leader_sum(axis_name, groups):
+    """(k, has) -> per slice the k of the first device of its group that has one (has:
+    None when every device has), on every device of the group: a psum in which that
+    device alone contributes (exact, in any order); a pmin of the device indices first
+    when a selection may leave a device without elements."""
+    leaders = [0] if groups is None else [g[0] for g in groups]
+
+    def shift(k, has):
+        me = jax.lax.axis_index(axis_name)
+        if has is None:
+            lead = functools.reduce(jnp.logical_or, [me == i for i in leaders])
+        else:
+            big = jnp.iinfo(jnp.int32).max
+            first = jax.lax.pmin(jnp.where(has, me, big), axis_name, axis_index_groups=groups)
+            lead = has & (first == me)
+        return jax.lax.psum(jnp.where(lead, k, 0.0), axis_name, axis_index_groups=groups)
+
+    return shift
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

@@ -132,6 +132,10 @@ def segment_sum(data, ids, num):
     return jax.ops.segment_sum(data, ids, num_segments=num)
 
 
+def cumsum(x, axis):
+    return jnp.cumsum(x, axis)
+
+
 def top_k(x, k):
     """(values, indices) of the k largest of a 1-D x, largest first, by one sort of
     (-x, position).  Not lax.top_k: it lowers to a StableHLO composite that TensorFlow's

@@ -977,6 +977,82 @@ def _special_rows(ops, special, means, var):
     return [ops.where(any_special, nan, var), *out]
 
 
+# ---------------------------------------------------------------- merged fast path (section 13b)
+def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask=None, ddof=0):
+    """The fast path across replicas (section 13b): (mean, var, todo) of the union of the
+    slices that every replica holds a part of, the same on every replica.
+
+    x: this replica's part, 2-D in the layout (a format of precision <= 24: float64 sums);
+    shift(k, has): K per slice from this replica's first selected elements k (has: whether
+    it has one), the same on every replica (a collective); reduce(a) and minimum(a): the
+    SUM and the MIN of a [rows, kept] float64 array over the replicas (all-reduces);
+    replicas: how many there are (static).  n: None (every replica holds the static
+    length) or this replica's count per slice (mask: its selection).  Each replica sums
+    y = x - K and y**2 as `approximate` does and bounds their errors by d1, d2; one SUM
+    adds (s1, s2, d1, d2, |s1|, n), one MIN gives the smallest |x| (the lattice of section
+    5); the sum of R float64 values in any order errs by gamma_(R-1) times the sum of
+    their magnitudes.  Then the rounding test of one device on the global sums.
+    todo: the slices it leaves open (exact states decide them).
+    """
+    size = ops.shape(x, axis)
+    terms = float(size) if n is None else ops.cast(n, "float64")
+    x, magnitude = flush(ops, x, fmt, magnitude=True)
+    if mask is None:
+        first, has = ops.squeeze(first_element(ops, x, axis), axis), None
+    else:
+        first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, 0.0), axis)
+        has = ops.any(mask, axis)
+        magnitude = ops.where(mask, magnitude, float("inf"))
+    k = shift(first, has)
+    y = x - ops.expand_dims(k, axis)
+    if mask is not None:
+        y = ops.where(mask, y, ops.zeros_like(y))
+    s1, s2, smallest, depth = block_sums(ops, y, y * y, magnitude, axis, terms)
+    b_up = s2 * (1.0 + 2.0 * depth(2)) * MARGIN
+    d1 = depth(1) * ops.sqrt(terms * b_up) * MARGIN * MARGIN
+    d2 = depth(2) * b_up
+    rows = [s1, s2, d1, d2, ops.abs(s1)]
+    if n is not None:
+        rows.append(terms)
+    total = reduce(ops.stack(rows, 0))
+    smallest = minimum(ops.expand_dims(smallest, 0))[0]
+    s1, s2 = total[0], total[1]
+    g = gamma(float(replicas - 1)) if replicas > 1 else 0.0
+    up = (1.0 + 2.0 * g) * MARGIN  # a computed sum of R non-negative terms, rounded up
+    d1 = (total[2] + g * total[4]) * up * up
+    d2 = (total[3] + g * s2) * up * up
+    c = counts(ops, size * replicas if n is None else ops.cast(total[5], "int64"), ddof)
+    bad = ~ops.isfinite(s1) | ~ops.isfinite(s2) | ~ops.isfinite(d1) | ~ops.isfinite(d2)
+    # The lattice (section 5) of the union: every x, every y = x - K (K is an x) and every
+    # partial sum on any replica and in the all-reduce is a multiple of q below the
+    # global bounds, so the global sums are exact where `_lattice` says so.
+    b_up = (s2 + d2) * MARGIN
+    a_abs = ops.sqrt(c.nf * b_up) * MARGIN
+    unit, exact, exact_mean = _lattice(ops, smallest, b_up, a_abs, c.nf, bad, fmt, 52)
+    d2 = ops.where(exact, 0.0, d2)
+    d1 = ops.where(exact_mean, 0.0, d1)
+    a = _from_sums(ops, k, s1, s2, d1, d2, c)._replace(sums=(k, s1, s2), exact=exact)
+    mean, ok = certify(ops, a.mean, a.mean_err, fmt, (exact_mean, unit, c.rn[0]))
+    v, v_err = variance_of(ops, a.num, a.num_err, c, False)
+    v_exact, err_exact = variance_from_exact_sums(ops, a, c)
+    v = (ops.where(exact, v_exact, v[0]), v[1])
+    v_err = ops.where(exact, err_exact, v_err)
+    var, ok_var = certify(ops, v, v_err, fmt, (exact, unit * unit, c.rn[0] * c.rd[0]))
+    defined = c.n - ddof > 0
+    if isinstance(defined, bool):
+        ok = (ok & ok_var) if defined else ok
+    else:
+        ok = ok & (ok_var | ~defined)
+    (mean,), var = _special_counts(ops, [mean], var, c, ddof)
+    return mean, var, ~(ok & ~bad)
+
+
+def _first_selected(ops, mask, axis):
+    """Per slice, True at its first selected element only (none where none is)."""
+    running = ops.cumsum(ops.cast(mask, "int64"), axis)
+    return mask & ops.eq(running, 1)
+
+
 # ---------------------------------------------------------------- mean_lo (section 9)
 def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     """mean - mean_hi, to the format, from a deterministic fixed-point sum (for the layers).

@@ -145,6 +145,10 @@ def segment_sum(data, ids, num):
     return tf.math.unsorted_segment_sum(data, ids, num)
 
 
+def cumsum(x, axis):
+    return tf.math.cumsum(x, axis)
+
+
 def top_k(x, k):
     return tf.math.top_k(x, k, sorted=True)
 
