@@ -41,17 +41,17 @@ def _stats(x, mask, axes):
 _sync_exact_states = False
 
 
-def _global_stats(x, mask, axes, axis_name, groups):
-    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
-    group of `groups`), the bits of one device holding all.
+def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
+    """(mean, var) of the union of every device's x on `axis_name` (within its group of
+    `groups`; of the elements `mask` selects), the bits of one device holding all.
+    Inside shard_map or pmap.
 
     float32, float16 and bfloat16: the certified merge (docs section 13b): one all-reduce
     of each device's fast sums and their bounds (against a shift that one device of each
     group gives), the rounding test on the global sums; only if some slice is left open
-    (a condition every device computes from a max over devices: all take the same branch)
-    the exact states of the slices, one psum of their int32 digits.  float64: the exact
-    states always.  mean_lo from fixed-point sums, one more psum (integers below 2**53:
-    exact in any order)."""
+    (a condition every device computes from a max over all devices: all take the same
+    branch) the exact states of the slices, one psum of their int32 digits.  float64:
+    the exact states always."""
 
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
@@ -61,43 +61,51 @@ def _global_stats(x, mask, axes, axis_name, groups):
 
     def exact_states():
         state = all_sum(_state_api.moments_state(x, axes, where=mask))
-        return _state_api.state_moments(state)
+        return _state_api.state_moments(state, ddof)
 
+    if jnp.iscomplexobj(x) or not FORMATS[jnp.dtype(x.dtype).name].wide or _sync_exact_states:
+        return exact_states()  # complex, float64: no merged bound of two parts or pairs yet
     fmt = FORMATS[jnp.dtype(x.dtype).name]
     size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
     kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
     with jax.enable_x64(True):
         laid, axis = _m._layout(x, axes)
         valid = None if mask is None else _m._layout(mask, axes)[0]
-        count = None
-        if mask is not None:
-            count = jnp.sum(valid, axis).astype(jnp.int64)
-        if not fmt.wide or _sync_exact_states:  # float64: no merged bound of pairs
-            mean, var = exact_states()
-            m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
+        count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
+        shift = _leader_sum(axis_name, groups)
+        m64, v64, todo = _kernel.merge_fast(
+            _ops, laid, axis, fmt, shift, all_sum, all_min, size, count, valid, ddof
+        )
+        opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
+
+        def exact(m, v):
+            em, ev = (t.reshape(-1).astype(jnp.float64) for t in exact_states())
+            return jnp.where(todo, em, m), jnp.where(todo, ev, v)
+
+        m64, v64 = jax.lax.cond(opened > 0, exact, lambda m, v: (m, v), m64, v64)
+        return tuple(t.astype(x.dtype).reshape(kept_shape) for t in (m64, v64))
+
+
+def _global_stats(x, mask, axes, axis_name, groups):
+    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
+    group of `groups`): `union_moments`, then mean_lo from fixed-point sums, one more
+    psum (integers below 2**53: exact in any order).  The bits of one device holding
+    all."""
+    mean, var = union_moments(x, mask, axes, axis_name, groups)
+
+    def all_sum(t):
+        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
+
+    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    with jax.enable_x64(True):
+        laid, axis = _m._layout(x, axes)
+        valid = None if mask is None else _m._layout(mask, axes)[0]
+        if mask is None:  # a static count: the constants of one device's kernel
+            n = math.prod(x.shape[a] for a in axes) * size
         else:
-            m64, v64, todo = _kernel.merge_fast(
-                _ops,
-                laid,
-                axis,
-                fmt,
-                _leader_sum(axis_name, groups),
-                all_sum,
-                all_min,
-                size,
-                count,
-                valid,
-            )
-            opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
-
-            def exact(m, v):
-                em, ev = exact_states()
-                em, ev = (t.reshape(-1).astype(jnp.float64) for t in (em, ev))
-                return jnp.where(todo, em, m), jnp.where(todo, ev, v)
-
-            m64, v64 = jax.lax.cond(opened > 0, exact, lambda m, v: (m, v), m64, v64)
-            mean, var = (t.astype(x.dtype).reshape(kept_shape) for t in (m64, v64))
-        n = math.prod(x.shape[a] for a in axes) * size if mask is None else all_sum(count)
+            n = all_sum(jnp.sum(valid, axis).astype(jnp.int64))
+        fmt = FORMATS[jnp.dtype(x.dtype).name]
+        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
         lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
     return mean, lo.astype(x.dtype).reshape(mean.shape), var
 
@@ -120,6 +128,30 @@ def _leader_sum(axis_name, groups):
         return jax.lax.psum(jnp.where(lead, k, 0.0), axis_name, axis_index_groups=groups)
 
     return shift
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def union_real(x, axes, ddof, axis_name, groups):
+    """`union_moments` of real x without a selection, differentiable: the tangents of the
+    mean and variance of the union, d mean = sum t / n and
+    d var = 2 sum (x - mean) (t - d mean) / (n - ddof), sums psum-ed."""
+    return union_moments(x, None, axes, axis_name, groups, ddof)
+
+
+@union_real.defjvp
+def _union_real_jvp(axes, ddof, axis_name, groups, primals, tangents):
+    (x,), (t,) = primals, tangents
+    mean, var = out = union_real(x, axes, ddof, axis_name, groups)
+
+    def total(v):
+        return jax.lax.psum(jnp.sum(v, axes), axis_name, axis_index_groups=groups)
+
+    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    n = math.prod(x.shape[a] for a in axes) * size
+    t_mean = total(t) / n
+    r = x - expand(mean, axes)
+    t_var = 2 * total(r * (t - expand(t_mean, axes))) / max(n - ddof, 1)
+    return out, (t_mean, t_var)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

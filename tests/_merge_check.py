@@ -104,6 +104,54 @@ def run(x, mask, devices):
     return [np.asarray(v) for v in fn(jnp.asarray(x), jnp.asarray(ms))]
 
 
+def public_api(out):
+    """jax_kernel.moments(..., axis_name=...): shard_map over 8 devices (ddof 0 and 1,
+    float32 and complex64), pmap over 4 with axis_index_groups, and the gradient of
+    sum(w * var) beside one device's."""
+    import jax_kernel
+
+    rng = np.random.default_rng(5)
+    x = (1e4 + rng.standard_normal((64, 6))).astype(np.float32)
+    z = (x + 1j * rng.standard_normal(x.shape)).astype(np.complex64)
+    w = rng.standard_normal(6).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+
+    def sharded(fn):
+        return jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False)
+        )
+
+    for ddof in (0, 1):
+        stats = sharded(lambda v, d=ddof: jax_kernel.moments(v, 0, ddof=d, axis_name="i"))(x)
+        out[f"api_ddof{ddof}_mean"], out[f"api_ddof{ddof}_var"] = map(np.asarray, stats)
+    stats = sharded(lambda v: jax_kernel.moments(v, 0, axis_name="i"))(z)
+    out["api_complex_mean"], out["api_complex_var"] = map(np.asarray, stats)
+    groups = jax.pmap(
+        lambda v: jax_kernel.moments(v, 0, axis_name="g", axis_index_groups=[[0, 1], [2, 3]]),
+        axis_name="g",
+        devices=jax.devices()[:4],
+    )(x.reshape(4, 16, 6))
+    out["api_groups_mean"], out["api_groups_var"] = map(np.asarray, groups)
+
+    def loss(v, axis_name=None):
+        return jnp.sum(w * jax_kernel.moments(v, 0, axis_name=axis_name)[1])
+
+    grad = jax.jit(
+        jax.shard_map(
+            # Data-parallel semantics: the loss is the sum of the devices' losses (psum
+            # transposes to psum), each device's here the global sum(w * var) over 8.
+            lambda v: jax.grad(lambda u: loss(u, "i") / 8)(v),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=P("i"),
+            check_vma=False,
+        )
+    )(x)
+    out["api_grad"] = np.asarray(grad)
+    out["api_single_grad"] = np.asarray(jax.jit(jax.grad(loss))(x))
+    out["api_x"], out["api_z"], out["api_w"] = x, z, w
+
+
 def main(dst):
     assert len(jax.devices()) == 8, jax.devices()
     out = {}
@@ -120,6 +168,7 @@ def main(dst):
             out[f"{name}_single_mean_lo"] = np.asarray(single[1]).view(
                 np.uint16 if x.dtype.itemsize == 2 else np.uint32
             )
+    public_api(out)
     np.savez(dst, **out)
 
 

@@ -32,7 +32,7 @@ DECIDED = [
 
 
 @pytest.fixture(scope="module")
-def merged(tmp_path_factory):
+def raw(tmp_path_factory):
     dst = tmp_path_factory.mktemp("merge") / "out.npz"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_STABLE_MOMENTS_NATIVE="0")
     script = Path(__file__).with_name("_merge_check.py")
@@ -40,9 +40,13 @@ def merged(tmp_path_factory):
         [sys.executable, str(script), str(dst)], capture_output=True, text=True, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = dict(np.load(dst))
-    names = sorted({k[: -len("_dtype")] for k in out if k.endswith("_dtype")})
-    return {name: _case(out, name) for name in names}
+    return dict(np.load(dst))
+
+
+@pytest.fixture(scope="module")
+def merged(raw):
+    names = sorted({k[: -len("_dtype")] for k in raw if k.endswith("_dtype")})
+    return {name: _case(raw, name) for name in names}
 
 
 def _case(out, name):
@@ -100,3 +104,33 @@ def test_mean_lo_has_the_bits_of_one_device_holding_everything(merged):
         want = case["single_mean_lo"]
         for device in range(lo.shape[0]):
             assert np.array_equal(bits(lo[device]), want), (name, device)
+
+
+def test_moments_with_axis_name_gives_the_oracle_bits_of_the_union(raw):
+    x, z = raw["api_x"], raw["api_z"]
+    for ddof in (0, 1):
+        mean, var = datasets.oracle(x, (0,), ddof)
+        assert np.array_equal(bits(raw[f"api_ddof{ddof}_mean"]), bits(mean)), ddof
+        assert np.array_equal(bits(raw[f"api_ddof{ddof}_var"]), bits(var)), ddof
+    mean, var = datasets.oracle(z, (0,))
+    assert np.array_equal(bits(raw["api_complex_mean"]), bits(mean))
+    assert np.array_equal(bits(raw["api_complex_var"]), bits(var))
+    # pmap over 4 devices of 16 rows, groups [[0, 1], [2, 3]]: each group's 32 rows.
+    for device in range(4):
+        half = x[32 * (device // 2) : 32 * (device // 2 + 1)]
+        mean, var = datasets.oracle(half, (0,))
+        assert np.array_equal(bits(raw["api_groups_mean"][device]), bits(mean)), device
+        assert np.array_equal(bits(raw["api_groups_var"][device]), bits(var)), device
+
+
+def test_the_gradient_with_axis_name_is_one_devices_to_float32_rounding(raw):
+    want, got = raw["api_single_grad"], raw["api_grad"]
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_moments_refuses_groups_without_an_axis_name():
+    import jax_kernel
+
+    with pytest.raises(ValueError, match=r"axis_index_groups needs axis_name.*\[\[0, 1\]\]"):
+        jax_kernel.moments(np.ones((4, 2), np.float32), 0, axis_index_groups=[[0, 1]])

@@ -285,27 +285,20 @@ def _tf_global_stats(all_sum, v, axes, lo, extra=None):
 
 
 def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
-    """`_tf_global_stats` on the JAX backend, inside `jax.shard_map` over `axis_name`: each
-    device's state of its rows (jax_kernel.moments_state, pure XLA: no FFI call), one psum
-    of the int32 digits (with `extra`, a per-slice count below 2**31, as one more digit),
-    and with lo one psum of the float64 fixed-point sums of mean_lo."""
+    """`_tf_global_stats` on the JAX backend, inside `jax.shard_map` over `axis_name`: the
+    certified merge of every device's fast sums (`jax_kernel._centre.union_moments`, pure
+    XLA: no FFI call; exact states for the slices it leaves open), `extra` (a per-slice
+    count) psum-ed, and with lo one psum of the float64 fixed-point sums of mean_lo."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
+    from jax_kernel import _centre as jax_centre
     from jax_kernel import _moments, _ops
-    from jax_kernel import _state as state_api
     from moments_core import _kernel
     from moments_core._formats import FORMATS
 
-    state = state_api.moments_state(v, axes)
-    size = state.values.shape[-1]
-    digits = state.values
-    if extra is not None:
-        digits = jnp.concatenate([digits, extra.astype(np.int32)[..., None]], -1)
-    summed = jax.lax.psum(digits, axis_name)
-    total = state_api.MomentsState(summed[..., :size], state.dtype)
-    mean, var = state_api.state_moments(total)
+    mean, var = jax_centre.union_moments(v, None, axes, axis_name)  # docs section 13b
+    summed = None if extra is None else jax.lax.psum(extra.astype(np.int32), axis_name)
     # The global count is static (every device holds an even shard; `where` selects by
     # zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on one device,
     # so that XLA folds the same constants (it turns a division by a constant n into a
@@ -324,7 +317,7 @@ def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
 
             mean_lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
             mean_lo = mean_lo.astype(v.dtype).reshape(mean.shape)
-    return mean, mean_lo, var, n, (summed[..., -1] if extra is not None else None)
+    return mean, mean_lo, var, n, summed
 
 
 def _jax_mesh_axis(x, axes):
@@ -348,11 +341,12 @@ def _jax_mesh_axis(x, axes):
 def _jax_synchronized_centre(mesh, axis_name, axes, masked):
     """The differentiable `_centre` of the global batch on the JAX backend.
 
-    Forward: `jax.shard_map` over the batch axis of the mesh, each device computing its
-    rows' exact state, psum-ed (`_jax_global_stats`): O(channels) communication, the bits
-    of one device holding the batch.  (The native kernel is an FFI custom call: on a
-    sharded input XLA would gather the batch to run it.)  Tangents: the single-device
-    rule (`_centre_jvp`) on the global arrays; XLA partitions its batch sums into
+    Forward: `jax.shard_map` over the batch axis of the mesh, the certified merge of the
+    devices' fast sums (`_jax_global_stats`; exact states for the slices it leaves open):
+    O(channels) communication, the bits of one device holding the batch.  (The native
+    kernel is an FFI custom call: on a sharded input XLA would gather the batch to run
+    it.)  Tangents: the single-device rule (`_centre_jvp`) on the global arrays; XLA
+    partitions its batch sums into
     per-device sums and an all-reduce of [channels] float32, so gradients equal the
     single device's to float32 rounding (the sums run in another order).
     """
