@@ -5,7 +5,10 @@ Usage: python benchmarks/sync.py [--rows 256] [--channels 128] [--steps 5]
 For 2, 4 and 8 replicas (logical CPU devices of one process, a MirroredStrategy)
 and three layers with synchronized=True:
 
-  * state:  StableBatchNormalization (each replica's exact moments state, all-reduced),
+  * merge:  StableBatchNormalization (the certified merge of the replicas' fast sums,
+            docs section 13b; exact states only for the slices it leaves open),
+  * state:  StableBatchNormalization through its former path (each replica's exact
+            moments state, all-reduced; the private switch `_layer._sync_exact_states`),
   * gather: StableBatchNormalization through its former path (all_gather of the batch,
             the kernel on the global batch; the private switch `_sync_all_gather`),
   * keras:  keras.layers.BatchNormalization (all-reduced float32 sums),
@@ -29,7 +32,7 @@ With --jax, the same for JAX (one process, 8 virtual CPU devices, `jax.shard_map
 sums and squares: fast, inexact) against `jax_kernel.flax.linen.BatchNorm(axis_name=...)`
 with the certified merge (docs section 13b: one all-reduce of the fast sums and bounds)
 and with every replica's exact state psum-ed (the path before it: the private switch
-`jax_kernel._centre._sync_exact_states`); `jax.jit` of forward and gradients of
+`jax_kernel._union._sync_exact_states`); `jax.jit` of forward and gradients of
 sum(y * w), median of `steps`, and the largest error of y against the exact
 normalisation.
 
@@ -51,11 +54,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # this checkout, not an installed copy
     sys.path.insert(0, str(ROOT))
-LAYERS = ("state", "gather", "keras")
+LAYERS = ("merge", "state", "gather", "keras")
 REPLICAS = (2, 4, 8)
 
 
-def _collective_bytes(graph, replicas, rows, channels):
+def _collective_bytes(graph, replicas, rows, channels, kind="gather"):
     """Bytes of replica 0's collectives: an all-reduce's input, an all-gather's output.
 
     Shapes come from the graph.  Only the all_gather path has collectives of unknown
@@ -68,8 +71,11 @@ def _collective_bytes(graph, replicas, rows, channels):
         if not (op.type.startswith("Collective") and op.device.endswith("CPU:0")):
             continue
         tensor = op.inputs[0]
-        elements = tensor.shape.num_elements()
-        if elements is None:
+        elements = tensor.shape.num_elements() if tensor.shape.rank is not None else None
+        if elements is None and kind == "merge":  # the smallest |x| of each replica
+            # gathered ([1, channels] each), and the open slices' states: none here
+            elements = replicas * channels if "Gather" in op.type else 0
+        elif elements is None:
             elements = replicas * rows * channels
         elif "Gather" in op.type:
             elements *= replicas
@@ -103,8 +109,11 @@ def run_one(replicas, layer_kind, rows, channels, steps):
         if layer_kind == "keras":
             layer = keras.layers.BatchNormalization(synchronized=True, epsilon=1e-3)
         else:
+            from tf_stable_moments import _layer
+
             layer = StableBatchNormalization(synchronized=True, epsilon=1e-3)
             layer._sync_all_gather = layer_kind == "gather"
+            _layer._sync_exact_states = layer_kind == "state"
         layer.build((None, channels))
 
     rng = np.random.default_rng(0)
@@ -146,7 +155,7 @@ def run_one(replicas, layer_kind, rows, channels, steps):
         "layer": layer_kind,
         "step_ms": 1e3 * float(np.median(times)),
         "peak_mib": peak,
-        "bytes": _collective_bytes(graph, replicas, rows, channels),
+        "bytes": _collective_bytes(graph, replicas, rows, channels, layer_kind),
         "error": error,
     }
 
@@ -159,7 +168,7 @@ def run_jax(rows, channels, steps, dist):
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    from jax_kernel import _centre
+    from jax_kernel import _union
     from jax_kernel.flax import linen as stable
 
     out = []
@@ -176,7 +185,7 @@ def run_jax(rows, channels, steps, dist):
                 use_running_average=False, momentum=0.9, axis_name="r"
             )
             variables = module.init(jax.random.PRNGKey(0), x[:rows])
-            _centre._sync_exact_states = kind == "state"
+            _union._sync_exact_states = kind == "state"
 
             def loss(v, xs, ws, module=module):
                 y, _ = module.apply(v, xs, mutable=["batch_stats"])
@@ -212,7 +221,7 @@ def run_jax(rows, channels, steps, dist):
                 }
             )
             print(out[-1], flush=True)
-    _centre._sync_exact_states = False
+    _union._sync_exact_states = False
     return out
 
 

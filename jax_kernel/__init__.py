@@ -2,7 +2,6 @@
 
 from jax_kernel._centre import standardize
 from jax_kernel._functions import mean, std, var
-from jax_kernel._moments import moments
 from jax_kernel._state import (
     MomentsState,
     accumulate_state,
@@ -10,6 +9,7 @@ from jax_kernel._state import (
     moments_state,
     state_moments,
 )
+from jax_kernel._union import moments
 
 __all__ = [
     "MomentsState",

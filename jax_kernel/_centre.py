@@ -18,9 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_kernel import _functions, _ops
+from jax_kernel import _functions, _ops, _union
 from jax_kernel import _moments as _m
-from jax_kernel import _state as _state_api
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 
@@ -36,62 +35,12 @@ def _stats(x, mask, axes):
     return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
 
 
-# Benchmarks only (benchmarks/sync.py --jax): True sends every format through the exact
-# states, the path before the certified merge.
-_sync_exact_states = False
-
-
-def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
-    """(mean, var) of the union of every device's x on `axis_name` (within its group of
-    `groups`; of the elements `mask` selects), the bits of one device holding all.
-    Inside shard_map or pmap.
-
-    float32, float16 and bfloat16: the certified merge (docs section 13b): one all-reduce
-    of each device's fast sums and their bounds (against a shift that one device of each
-    group gives), the rounding test on the global sums; only if some slice is left open
-    (a condition every device computes from a max over all devices: all take the same
-    branch) the exact states of the slices, one psum of their int32 digits.  float64:
-    the exact states always."""
-
-    def all_sum(t):
-        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
-
-    def all_min(t):
-        return jax.lax.pmin(t, axis_name, axis_index_groups=groups)
-
-    def exact_states():
-        state = all_sum(_state_api.moments_state(x, axes, where=mask))
-        return _state_api.state_moments(state, ddof)
-
-    if jnp.iscomplexobj(x) or not FORMATS[jnp.dtype(x.dtype).name].wide or _sync_exact_states:
-        return exact_states()  # complex, float64: no merged bound of two parts or pairs yet
-    fmt = FORMATS[jnp.dtype(x.dtype).name]
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
-    kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
-    with jax.enable_x64(True):
-        laid, axis = _m._layout(x, axes)
-        valid = None if mask is None else _m._layout(mask, axes)[0]
-        count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
-        shift = _leader_sum(axis_name, groups)
-        m64, v64, todo = _kernel.merge_fast(
-            _ops, laid, axis, fmt, shift, all_sum, all_min, size, count, valid, ddof
-        )
-        opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
-
-        def exact(m, v):
-            em, ev = (t.reshape(-1).astype(jnp.float64) for t in exact_states())
-            return jnp.where(todo, em, m), jnp.where(todo, ev, v)
-
-        m64, v64 = jax.lax.cond(opened > 0, exact, lambda m, v: (m, v), m64, v64)
-        return tuple(t.astype(x.dtype).reshape(kept_shape) for t in (m64, v64))
-
-
 def _global_stats(x, mask, axes, axis_name, groups):
     """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
     group of `groups`): `union_moments`, then mean_lo from fixed-point sums, one more
     psum (integers below 2**53: exact in any order).  The bits of one device holding
     all."""
-    mean, var = union_moments(x, mask, axes, axis_name, groups)
+    mean, var = _union.union_moments(x, mask, axes, axis_name, groups)
 
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
@@ -108,50 +57,6 @@ def _global_stats(x, mask, axes, axis_name, groups):
         m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
         lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
     return mean, lo.astype(x.dtype).reshape(mean.shape), var
-
-
-def _leader_sum(axis_name, groups):
-    """(k, has) -> per slice the k of the first device of its group that has one (has:
-    None when every device has), on every device of the group: a psum in which that
-    device alone contributes (exact, in any order); a pmin of the device indices first
-    when a selection may leave a device without elements."""
-    leaders = [0] if groups is None else [g[0] for g in groups]
-
-    def shift(k, has):
-        me = jax.lax.axis_index(axis_name)
-        if has is None:
-            lead = functools.reduce(jnp.logical_or, [me == i for i in leaders])
-        else:
-            big = jnp.iinfo(jnp.int32).max
-            first = jax.lax.pmin(jnp.where(has, me, big), axis_name, axis_index_groups=groups)
-            lead = has & (first == me)
-        return jax.lax.psum(jnp.where(lead, k, 0.0), axis_name, axis_index_groups=groups)
-
-    return shift
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
-def union_real(x, axes, ddof, axis_name, groups):
-    """`union_moments` of real x without a selection, differentiable: the tangents of the
-    mean and variance of the union, d mean = sum t / n and
-    d var = 2 sum (x - mean) (t - d mean) / (n - ddof), sums psum-ed."""
-    return union_moments(x, None, axes, axis_name, groups, ddof)
-
-
-@union_real.defjvp
-def _union_real_jvp(axes, ddof, axis_name, groups, primals, tangents):
-    (x,), (t,) = primals, tangents
-    mean, var = out = union_real(x, axes, ddof, axis_name, groups)
-
-    def total(v):
-        return jax.lax.psum(jnp.sum(v, axes), axis_name, axis_index_groups=groups)
-
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
-    n = math.prod(x.shape[a] for a in axes) * size
-    t_mean = total(t) / n
-    r = x - expand(mean, axes)
-    t_var = 2 * total(r * (t - expand(t_mean, axes))) / max(n - ddof, 1)
-    return out, (t_mean, t_var)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

@@ -349,30 +349,7 @@ def _moments(x, axes, keepdims, ddof, exact_only, native=False):
     return mean.reshape(shape), var.reshape(shape)
 
 
-def _union(x, axes, keepdims, ddof, axis_name, groups):
-    """`moments` of the union over a named axis (jax_kernel._centre.union_moments)."""
-    from jax_kernel import _centre
-
-    if axis_name is None:
-        raise ValueError(
-            "moments: axis_index_groups needs axis_name; got axis_name=None and "
-            f"axis_index_groups={groups!r}"
-        )
-    if groups is not None:
-        groups = tuple(tuple(int(i) for i in g) for g in groups)
-        if len({len(g) for g in groups}) != 1:
-            raise ValueError(
-                f"moments: axis_index_groups must be groups of equal size; got {groups!r}"
-            )
-    if jnp.iscomplexobj(x):
-        mean, var = _centre.union_moments(x, None, axes, axis_name, groups, ddof)
-    else:
-        mean, var = _centre.union_real(x, axes, ddof, axis_name, groups)
-    shape = out_shape(x.shape, axes, keepdims)
-    return mean.reshape(shape), var.reshape(shape)
-
-
-def moments(x, axes, keepdims=False, *, ddof=0, axis_name=None, axis_index_groups=None):
+def moments(x, axes, keepdims=False, *, ddof=0):
     """Mean and variance of `x` over `axes`, correctly rounded in float32/float64.
 
     Same semantics as ``tf_stable_moments.moments`` (without `shift`): the
@@ -388,12 +365,6 @@ def moments(x, axes, keepdims=False, *, ddof=0, axis_name=None, axis_index_group
       axes: int, sequence of ints, or None for all axes.
       keepdims: keep reduced axes with length 1.
       ddof: delta degrees of freedom, a non-negative int.
-      axis_name: inside ``shard_map`` or ``pmap``, a named axis: the statistics of the
-        union of every device's `x` on that axis (the same on every device, the bits of
-        one device holding all: the certified merge of docs section 13b), as
-        ``jax.lax.pmean`` would average them.  Every device's `x` has the same shape.
-      axis_index_groups: with axis_name, groups of device indices that each form a union
-        of their own (as ``jax.lax.psum`` takes them).
 
     Returns:
       (mean, variance).  See docs/algorithm.md for the algorithm and its contract.
@@ -407,8 +378,6 @@ def moments(x, axes, keepdims=False, *, ddof=0, axis_name=None, axis_index_group
     _compute_dtype(x.dtype)
     axes = _canonical_axes(axes, x.ndim)
     ddof = _check_ddof(ddof)
-    if axis_name is not None or axis_index_groups is not None:
-        return _union(x, axes, bool(keepdims), ddof, axis_name, axis_index_groups)
     exact_only = _exact_only()
     native = _use_native(exact_only)
     concrete = not isinstance(x, jax.core.Tracer)

@@ -992,13 +992,15 @@ def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask
     adds (s1, s2, d1, d2, |s1|, n), one MIN gives the smallest |x| (the lattice of section
     5); the sum of R float64 values in any order errs by gamma_(R-1) times the sum of
     their magnitudes.  Then the rounding test of one device on the global sums.
-    todo: the slices it leaves open (exact states decide them).
+    todo: the slices it leaves open (exact states decide them); n: the global count
+    (a Python int, or an int64 scalar or [kept] array).
     """
     size = ops.shape(x, axis)
     terms = float(size) if n is None else ops.cast(n, "float64")
     x, magnitude = flush(ops, x, fmt, magnitude=True)
-    if mask is None:
-        first, has = ops.squeeze(first_element(ops, x, axis), axis), None
+    if mask is None:  # with n, a length that may be 0 (dynamic: 0 for an empty part)
+        first = ops.squeeze(first_element(ops, x, axis, dynamic=n is not None), axis)
+        has = None
     else:
         first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, 0.0), axis)
         has = ops.any(mask, axis)
@@ -1044,7 +1046,7 @@ def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask
     else:
         ok = ok & (ok_var | ~defined)
     (mean,), var = _special_counts(ops, [mean], var, c, ddof)
-    return mean, var, ~(ok & ~bad)
+    return mean, var, ~(ok & ~bad), c.n
 
 
 def _first_selected(ops, mask, axis):

@@ -96,13 +96,15 @@ def run(strategy, masked):
 
 
 def _collectives(graph):
-    """[(op kind, dtype itemsize, elements)] of replica 0's collectives in the step's graph."""
+    """[(op kind, dtype itemsize, elements)] of replica 0's collectives in the step's graph
+    (elements -1: a shape known only when the step runs)."""
     rows = []
     for op in graph.get_operations():
         if op.type.startswith("Collective") and op.device.endswith("CPU:0"):
             kind = 0 if "Reduce" in op.type else 1
             shape = op.inputs[0].shape
-            rows.append((kind, op.inputs[0].dtype.size, shape.num_elements()))
+            elements = shape.num_elements() if shape.rank is not None else None
+            rows.append((kind, op.inputs[0].dtype.size, -1 if elements is None else elements))
     return np.array(rows, np.int64).reshape(-1, 3)
 
 

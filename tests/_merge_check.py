@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_kernel import _centre, _ops  # noqa: E402
+from jax_kernel import _centre, _ops, _union  # noqa: E402
 from jax_kernel import _moments as _m  # noqa: E402
 from moments_core import _kernel  # noqa: E402
 from moments_core._formats import FORMATS  # noqa: E402
@@ -89,7 +89,7 @@ def run(x, mask, devices):
             def all_min(t):
                 return jax.lax.pmin(t, "i")
 
-            shift = _centre._leader_sum("i", None)
+            shift = _union._leader_sum("i", None)
             todo = _kernel.merge_fast(
                 _ops, laid, axis, fmt, shift, all_sum, all_min, devices, count, m
             )[2]

@@ -21,7 +21,6 @@ from keras.src import testing as keras_testing
 import tf_stable_moments
 from tf_stable_moments import StableBatchNormalization
 from tf_stable_moments._oracle import exact_value, ulp_error
-from tf_stable_moments._state import state_size
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("eager", "tf_function", "jit_compile")
@@ -650,13 +649,18 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     # Second order (a Hessian-vector product): the same, to float32 tolerance.
     scale = np.abs(out["single_hvp"]).max()
     np.testing.assert_allclose(out["sync_hvp"], out["single_hvp"], rtol=0, atol=1e-6 * scale)
-    # Communication is state-sized, independent of the batch: replica 0's collectives are
-    # all-reduces (no gather) of the packed states (two int32 digits per int64 lane), the
-    # float64 mean_lo sums (unmasked) or a second state (masked), and the [3, 4] backward.
-    lanes = 4 * (-(-state_size(tf.float32) // 2))
+    # Communication is independent of the batch (docs section 13b): replica 0's collectives
+    # per call of the statistics are the certified merge's: the replicas' one-hot flags
+    # [R] (which has rows), the shift [C], the sums and bounds [6, C] (float64), an
+    # all-gather of the smallest |x| (its shapes first: [1, 2] int32; then [1, C] float64,
+    # shape known when it runs: -1), the open flags [C], the open slices' packed states
+    # (their number known when it runs: none here); then the float64 mean_lo sums [C]
+    # (unmasked) or a second call (masked: its selected counts [C] int64 after the first);
+    # the [3, 4] backward.
+    merge = [(0, 8, 2), (0, 8, 4), (0, 8, 24), (1, 4, 2), (1, 8, -1), (0, 8, 4), (0, 8, -1)]
     expected = {
-        "plain": [(0, 8, lanes), (0, 8, 4), (0, 4, 12)],
-        "masked": [(0, 8, lanes + 4), (0, 8, lanes), (0, 4, 12)],
+        "plain": merge + [(0, 8, 4), (0, 4, 12)],
+        "masked": merge + [(0, 8, 4)] + merge + [(0, 4, 12)],
     }[case]
     assert [tuple(row) for row in out["collectives"].tolist()] == expected
 

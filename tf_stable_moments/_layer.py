@@ -195,10 +195,15 @@ def _synchronized_centre(context, x, w, axes):
     def all_sum(v):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, v)
 
+    def all_gather(v):
+        return context.all_gather(v, axis=0)
+
+    replica = (context.replica_id_in_sync_group, context.num_replicas_in_sync)
+
     @tf.custom_gradient
     def fn(x):
         def global_stats(v, lo, extra):
-            return _tf_global_stats(all_sum, v, axes, lo, extra)
+            return _tf_global_stats(all_sum, v, axes, lo, extra, all_gather, replica)
 
         r, var, mean_hi, mean_lo, k = _global_centre(global_stats, tf.stop_gradient(x), w, axes)
 
@@ -249,12 +254,14 @@ def _unpack(lanes, size):
     return tf.cast(both[..., :size], tf.int32)
 
 
-def _tf_global_stats(all_sum, v, axes, lo, extra=None):
+def _tf_global_stats(all_sum, v, axes, lo, extra=None, all_gather=None, replica=None):
     """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
 
-    One all-reduce of the packed states (with `extra`, a per-slice int32 count below
-    2**31, as one more lane of the same collective); with lo, one more of the float64
-    fixed-point sums of mean_lo (moments_core/_kernel.py `mean_lo` with reduce=).
+    float32, float16 and bfloat16 with `all_gather` and `replica` (this replica's id and
+    the number in sync): the certified merge (docs section 13b, `_tf_merged_moments`).
+    Else one all-reduce of the packed states (with `extra`, a per-slice int32 count below
+    2**31, as one more lane of the same collective).  With lo, one more all-reduce of the
+    float64 fixed-point sums of mean_lo (moments_core/_kernel.py `mean_lo` with reduce=).
     """
     import tensorflow as tf
 
@@ -263,41 +270,101 @@ def _tf_global_stats(all_sum, v, axes, lo, extra=None):
     from tf_stable_moments import _moments, _ops
     from tf_stable_moments import _state as state_api
 
-    state = state_api.moments_state(v, axes)
-    size = state.values.shape[-1]
-    lanes = _pack(state.values)
-    if extra is not None:
-        lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
-    summed = all_sum(lanes)
-    total = state_api.MomentsState(_unpack(summed[..., : (size + 1) // 2], size), state.dtype)
-    mean, var = state_api.state_moments(total)
-    digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
-    n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
+    fmt = FORMATS[v.dtype.name]
+    summed_extra = None
+    if fmt.wide and all_gather is not None and not _sync_exact_states:
+        mean, var, n = _tf_merged_moments(all_sum, all_gather, replica, v, axes, fmt)
+        if extra is not None:
+            summed_extra = all_sum(tf.cast(extra, tf.int64))
+    else:
+        state = state_api.moments_state(v, axes)
+        size = state.values.shape[-1]
+        lanes = _pack(state.values)
+        if extra is not None:
+            lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
+        summed = all_sum(lanes)
+        total = state_api.MomentsState(_unpack(summed[..., : (size + 1) // 2], size), state.dtype)
+        mean, var = state_api.state_moments(total)
+        digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
+        n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
+        summed_extra = summed[..., -1] if extra is not None else None
     mean_lo = None
     if lo:
         laid, axis = _moments._layout(v, axes)
-        fmt = FORMATS[v.dtype.name]
         m64 = tf.cast(tf.reshape(mean, [-1]), tf.float64)
         v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
         mean_lo = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
         mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
-    return mean, mean_lo, var, n, (summed[..., -1] if extra is not None else None)
+    return mean, mean_lo, var, n, summed_extra
+
+
+# Benchmarks only (benchmarks/sync.py): True sends the TF synchronized layer through the
+# exact states of every slice, the path before the certified merge.
+_sync_exact_states = False
+
+
+def _tf_merged_moments(all_sum, all_gather, replica, v, axes, fmt):
+    """(mean, var, n) of the global batch of v by the certified merge (docs section 13b)
+    in a replica context: the shift of the first replica with rows (an all-reduce of
+    one-hot flags finds it, one in which it alone contributes sends it), one all-reduce
+    of the fast sums and bounds, an all-gather of the smallest magnitudes (tf.distribute
+    reduces by SUM and MEAN only).  tf.distribute allows no collective inside tf.cond,
+    so the second round always runs, on the slices left open alone (a dynamic number,
+    the same on every replica: an all-reduce of the open flags; none on decided data):
+    their exact states, all-reduced."""
+    import tensorflow as tf
+
+    from moments_core import _kernel
+    from tf_stable_moments import _moments, _ops
+    from tf_stable_moments import _state as state_api
+
+    rid, replicas = replica
+    laid, axis = _moments._layout(v, axes)
+    size = tf.shape(laid, out_type=tf.int64)[axis]
+    kept = tf.shape(laid)[1 - axis]
+
+    def shift(k, has):
+        flags = all_sum(tf.one_hot(rid, replicas, dtype=tf.float64) * tf.cast(size > 0, tf.float64))
+        leader = tf.argmax(tf.cast(flags > 0, tf.int32), output_type=tf.int32)
+        return all_sum(tf.where(tf.equal(leader, rid), k, tf.zeros_like(k)))
+
+    def minimum(a):
+        return tf.reduce_min(all_gather(a), 0, keepdims=True)
+
+    n_local = tf.fill([kept], size)
+    m64, v64, todo, n = _kernel.merge_fast(
+        _ops.PLAIN, laid, axis, fmt, shift, all_sum, minimum, replicas, n_local
+    )
+    # The second round: the open slices of any replica (all replicas alike).
+    opened = tf.where(all_sum(tf.cast(todo, tf.float64)) > 0)[:, 0]
+    part = tf.gather(laid, opened, axis=1 - axis)
+    state = state_api.moments_state(part, [axis])
+    width = state.values.shape[-1]
+    summed = all_sum(_pack(state.values))
+    exact = state_api.MomentsState(_unpack(summed, width), state.dtype)
+    em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact))
+    where = tf.expand_dims(opened, 1)
+    m64 = tf.tensor_scatter_nd_update(m64, where, em)
+    v64 = tf.tensor_scatter_nd_update(v64, where, ev)
+    shape = tf.gather(tf.shape(v), [a for a in range(v.shape.rank) if a not in axes])
+    mean, var = (tf.reshape(tf.cast(t, v.dtype), shape) for t in (m64, v64))
+    return mean, var, tf.reshape(n, [-1])[0]
 
 
 def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
     """`_tf_global_stats` on the JAX backend, inside `jax.shard_map` over `axis_name`: the
-    certified merge of every device's fast sums (`jax_kernel._centre.union_moments`, pure
+    certified merge of every device's fast sums (`jax_kernel._union.union_moments`, pure
     XLA: no FFI call; exact states for the slices it leaves open), `extra` (a per-slice
     count) psum-ed, and with lo one psum of the float64 fixed-point sums of mean_lo."""
     import jax
     import numpy as np
 
-    from jax_kernel import _centre as jax_centre
     from jax_kernel import _moments, _ops
+    from jax_kernel import _union as jax_union
     from moments_core import _kernel
     from moments_core._formats import FORMATS
 
-    mean, var = jax_centre.union_moments(v, None, axes, axis_name)  # docs section 13b
+    mean, var = jax_union.union_moments(v, None, axes, axis_name)  # docs section 13b
     summed = None if extra is None else jax.lax.psum(extra.astype(np.int32), axis_name)
     # The global count is static (every device holds an even shard; `where` selects by
     # zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on one device,

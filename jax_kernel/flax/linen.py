@@ -23,9 +23,11 @@ Gradients are the analytic ones of the same formulas (a custom JVP: d mean = mea
 d var = 2 mean(r (t - d mean)) over the selected elements), so higher orders work.
 
 axis_name (and axis_index_groups), inside ``pmap`` or ``shard_map``: the statistics of
-every device's batch on that axis, the bits of one device holding all of it: each
-device's exact moments state (``jax_kernel.moments_state``), one psum of its int32
-digits, rounded once (Flax: one pmean of float32 partial means).
+every device's batch on that axis, the bits of one device holding all of it: the
+certified merge of docs/algorithm.md section 13b (one all-reduce of each device's fast
+sums and error bounds, the rounding test on the global sums; exact moments states,
+one psum of their int32 digits, only for slices it leaves open) (Flax: one pmean of
+float32 partial means).
 
 Not yet: ``force_float32_reductions=False`` is treated as True (statistics of
 half-precision inputs in float32).

@@ -5,7 +5,8 @@ arithmetic): each class subclasses Flax's, so its constructor (``num_features``,
 ``rngs``, ...), attributes (``scale``, ``bias``: ``nnx.Param``; ``mean``, ``var``:
 ``nnx.BatchStat``), ``nnx.view`` and checkpoints are Flax's; only ``__call__``
 differs.  ``axis_name`` and ``axis_index_groups`` give the statistics of every
-device's batch on that axis (one psum of exact moments states).
+device's batch on that axis (the certified merge of docs/algorithm.md section 13b:
+one all-reduce of fast sums and bounds, exact states only for slices it leaves open).
 
     from jax_kernel.flax import nnx as stable
     norm = stable.BatchNorm(16, use_running_average=False, rngs=nnx.Rngs(0))
