@@ -82,7 +82,12 @@ def _centre_jvp(axes, axis_name, groups, primals, tangents):
         return v if axis_name is None else jax.lax.psum(v, axis_name, axis_index_groups=groups)
 
     w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
-    k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
+    if mask is None:  # a static count: no collective
+        devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        devices = devices if groups is None else len(groups[0])
+        k = max(math.prod(x.shape[a] for a in axes) * devices, 1)
+    else:
+        k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
     t_mean = total(w * t) / k
     t_r = t - expand(t_mean, axes)
     t_var = 2 * total(w * r * t_r) / k

@@ -43,8 +43,9 @@ def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
 
-    def all_min(t):
-        return jax.lax.pmin(t, axis_name, axis_index_groups=groups)
+    def all_min(t):  # magnitudes of inputs (or inf): float32 values, sent as such
+        t32 = t.astype(jnp.float32)
+        return jax.lax.pmin(t32, axis_name, axis_index_groups=groups).astype(jnp.float64)
 
     def exact_states():
         state = all_sum(_state_api.moments_state(x, axes, where=mask))
@@ -88,7 +89,9 @@ def _leader_sum(axis_name, groups):
             big = jnp.iinfo(jnp.int32).max
             first = jax.lax.pmin(jnp.where(has, me, big), axis_name, axis_index_groups=groups)
             lead = has & (first == me)
-        return jax.lax.psum(jnp.where(lead, k, 0.0), axis_name, axis_index_groups=groups)
+        # K is an input of a format of precision <= 24: sent as float32 (4 bytes a slice).
+        k32 = jnp.where(lead, k, 0.0).astype(jnp.float32)
+        return jax.lax.psum(k32, axis_name, axis_index_groups=groups).astype(jnp.float64)
 
     return shift
 

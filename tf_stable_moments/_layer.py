@@ -326,10 +326,13 @@ def _tf_merged_moments(all_sum, all_gather, replica, v, axes, fmt):
     def shift(k, has):
         flags = all_sum(tf.one_hot(rid, replicas, dtype=tf.float64) * tf.cast(size > 0, tf.float64))
         leader = tf.argmax(tf.cast(flags > 0, tf.int32), output_type=tf.int32)
-        return all_sum(tf.where(tf.equal(leader, rid), k, tf.zeros_like(k)))
+        # K is an input of a format of precision <= 24: sent as float32 (4 bytes a slice).
+        k32 = tf.cast(tf.where(tf.equal(leader, rid), k, tf.zeros_like(k)), tf.float32)
+        return tf.cast(all_sum(k32), tf.float64)
 
-    def minimum(a):
-        return tf.reduce_min(all_gather(a), 0, keepdims=True)
+    def minimum(a):  # magnitudes of inputs (or inf): float32 values, gathered as such
+        gathered = tf.cast(all_gather(tf.cast(a, tf.float32)), tf.float64)
+        return tf.reduce_min(gathered, 0, keepdims=True)
 
     n_local = tf.fill([kept], size)
     m64, v64, todo, n = _kernel.merge_fast(
