@@ -638,6 +638,29 @@ def round_to(ops, v, fmt):
     return ops.where(v < 0, -value, value)
 
 
+def _certified_variance(ops, num, num_err, c, fmt, pairs, lattice=None):
+    """(var, decided): num / (n - ddof) certified (`variance_of`, `certify`); lattice: None,
+    or the Approx of one real part with float64 sums, whose exact sums (a.exact) give the
+    variance by `variance_from_exact_sums` and decide its ties (section 5)."""
+    v, v_err = variance_of(ops, num, num_err, c, pairs)
+    tie = None
+    if lattice is not None:
+        a = lattice
+        tie = (a.exact, a.grid * a.grid, c.rn[0] * c.rd[0])
+        v_exact, err_exact = variance_from_exact_sums(ops, a, c)
+        v = (ops.where(a.exact, v_exact, v[0]), v[1])
+        v_err = ops.where(a.exact, err_exact, v_err)
+    return certify(ops, v, v_err, fmt, tie)
+
+
+def _with_variance(ops, decided, ok, c, ddof):
+    """decided and the variance's test, which counts only where n - ddof > 0 (section 8)."""
+    defined = c.n - ddof > 0  # a Python bool for a static count
+    if isinstance(defined, bool):
+        return (decided & ok) if defined else decided
+    return decided & (ok | ~defined)
+
+
 # ---------------------------------------------------------------- the whole slice (section 8)
 def flush(ops, x, fmt, magnitude=False):
     """x as float64, inputs below the format's normal range replaced by 0; with
@@ -738,20 +761,10 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         num, num_err = approx[0][0].num, approx[0][0].num_err
     else:
         num, num_err = combine_nums(ops, approx[0][0], approx[1][0], pairs)
-    v, v_err = variance_of(ops, num, num_err, c, pairs)
-    tie = None
-    if lattice:
-        a = approx[0][0]
-        tie = (a.exact, a.grid * a.grid, c.rn[0] * c.rd[0])
-        v_exact, err_exact = variance_from_exact_sums(ops, a, c)
-        v = (ops.where(a.exact, v_exact, v[0]), v[1])
-        v_err = ops.where(a.exact, err_exact, v_err)
-    var, ok = certify(ops, v, v_err, fmt, tie)
-    defined = c.n - ddof > 0  # a Python bool for a static count
-    if isinstance(defined, bool):
-        decided = (decided & ok) if defined else decided
-    else:
-        decided = decided & (ok | ~defined)
+    var, ok = _certified_variance(
+        ops, num, num_err, c, fmt, pairs, approx[0][0] if lattice else None
+    )
+    decided = _with_variance(ops, decided, ok, c, ddof)
     if exact_only:
         decided = ops.zeros_like(decided)
     means, var = _special_counts(ops, means, var, c, ddof)
@@ -1033,18 +1046,10 @@ def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask
     unit, exact, exact_mean = _lattice(ops, smallest, b_up, a_abs, c.nf, bad, fmt, 52)
     d2 = ops.where(exact, 0.0, d2)
     d1 = ops.where(exact_mean, 0.0, d1)
-    a = _from_sums(ops, k, s1, s2, d1, d2, c)._replace(sums=(k, s1, s2), exact=exact)
+    a = _from_sums(ops, k, s1, s2, d1, d2, c)._replace(sums=(k, s1, s2), exact=exact, grid=unit)
     mean, ok = certify(ops, a.mean, a.mean_err, fmt, (exact_mean, unit, c.rn[0]))
-    v, v_err = variance_of(ops, a.num, a.num_err, c, False)
-    v_exact, err_exact = variance_from_exact_sums(ops, a, c)
-    v = (ops.where(exact, v_exact, v[0]), v[1])
-    v_err = ops.where(exact, err_exact, v_err)
-    var, ok_var = certify(ops, v, v_err, fmt, (exact, unit * unit, c.rn[0] * c.rd[0]))
-    defined = c.n - ddof > 0
-    if isinstance(defined, bool):
-        ok = (ok & ok_var) if defined else ok
-    else:
-        ok = ok & (ok_var | ~defined)
+    var, ok_var = _certified_variance(ops, a.num, a.num_err, c, fmt, False, a)
+    ok = _with_variance(ops, ok, ok_var, c, ddof)
     (mean,), var = _special_counts(ops, [mean], var, c, ddof)
     return mean, var, ~(ok & ~bad), c.n
 
