@@ -29,6 +29,7 @@ isfinite = jnp.isfinite
 maximum = jnp.maximum
 minimum = jnp.minimum
 round = jnp.round  # noqa: A001  (half to even)
+floor = jnp.floor
 floordiv = jnp.floor_divide
 zeros_like = jnp.zeros_like
 transpose = jnp.transpose
@@ -143,6 +144,11 @@ def top_k(x, k):
     load."""
     keys, idx = lax.sort((-x, lax.iota(np.int32, x.shape[0])), num_keys=1)
     return -keys[:k], idx[:k]
+
+
+def cond(pred, fn, state):
+    """fn(*state) where pred holds, else state (a tuple of arrays fn maps to their kind)."""
+    return lax.cond(pred, lambda s: tuple(fn(*s)), tuple, tuple(state))
 
 
 def while_loop(cond, body, state):

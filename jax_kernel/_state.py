@@ -101,6 +101,12 @@ def _state_values(x, where, axes):
     layout = _state.Layout(fmt, len(parts))
     kept = out_shape(x.shape, axes, False)
     with jax.enable_x64(True):
+        if _state.one_pass_applies(fmt):
+            valid = None
+            if where is not None:
+                valid, _ = _moments._layout(jnp.broadcast_to(where, x.shape), axes)
+            digits = _state.from_one_pass(_ops, parts, valid, fmt, axis)
+            return digits.astype(np.int32).reshape(*kept, layout.size)
         rows = [p.astype(np.float64) for p in parts]
         rows = [r if axis == 1 else r.T for r in rows]
         valid = None

@@ -99,10 +99,11 @@ def sums_digits(ops, parts, n, fmt):
     return means, shifted, s2
 
 
-def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
+def accumulate(ops, parts, valid, fmt, l1, l2, weights=None, axis=1):
     """Digits of S1 (one array per part) and of S2 (all parts together), [rows, digits].
 
-    parts: float64 arrays [rows, n] (finite, flushed); valid: bool [rows, n] or None;
+    parts: float64 arrays [rows, n] (finite, flushed; [n, rows] for axis 0: the
+    elements of a row along `axis`); valid: bool like them or None;
     weights: None or int64 [rows, n] integer frequencies (each digit is multiplied
     by its weight: S1 = sum w X, S2 = sum w X**2; exact for sum w < 2**40).
     Each |X| = M * 2**P, M the p-bit integer of the format, is first written as
@@ -111,8 +112,8 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None):
     D = P // 16; X**2 is their convolution, 2 d - 1 sums below d 2**34 <= 2**37,
     each split in two below 2**21: 2 d digits at 2 D.
     """
-    rows = ops.shape(parts[0], 0)
-    row = ops.expand_dims(ops.iota(rows, "int64"), 1)
+    rows = ops.shape(parts[0], 1 - axis)
+    row = ops.expand_dims(ops.iota(rows, "int64"), axis)
     s1s, s2_data, s2_ids = [], [], []
     for x in parts:
         negative, mant, p = decompose(ops, x, fmt)

@@ -153,6 +153,12 @@ def top_k(x, k):
     return tf.math.top_k(x, k, sorted=True)
 
 
+def cond(pred, fn, state):
+    """fn(*state) where pred holds, else state (a tuple of tensors fn maps to their kind)."""
+    state = tuple(state)
+    return tuple(tf.cond(pred, lambda: tuple(fn(*state)), lambda: state))
+
+
 def while_loop(cond, body, state):
     return tuple(tf.while_loop(cond, lambda *s: tuple(body(*s)), tuple(state)))
 
@@ -342,6 +348,7 @@ _COMMON = dict(
     maximum=lambda a, b: tf.maximum(_like(a, b), _like(b, a)),
     minimum=lambda a, b: tf.minimum(_like(a, b), _like(b, a)),
     round=tf.math.round,  # half to even
+    floor=tf.math.floor,
     floordiv=tf.math.floordiv,
     zeros_like=tf.zeros_like,
     transpose=tf.transpose,
@@ -374,6 +381,7 @@ _COMMON = dict(
             constant,
             segment_sum,
             top_k,
+            cond,
             while_loop,
             scatter,
         )

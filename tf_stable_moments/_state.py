@@ -23,6 +23,7 @@ from moments_core import _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
 from tf_stable_moments import _moments, _ops
+from tf_stable_moments._xla_context import in_xla_context
 
 __all__ = ["MomentsState", "accumulate_state", "merge_states", "moments_state", "state_moments"]
 
@@ -126,8 +127,11 @@ def moments_state(x, axes=None, *, where=None, name=None):
     the states of shards gives mean = S1 / n and
     var = (n S2 - S1**2) / (n (n - ddof)), each rounded once: the bits of
     `moments` on the concatenated shards, whatever the order of merging.
-    Computing it runs the exact integer accumulation over every element
-    (slower than `moments`; docs/algorithm.md section 13 has measurements).
+    Inputs of at most 24 bits (float32, float16, bfloat16, complex64) take
+    one pass of exact float64 block sums (XLA; below 2**16 elements outside
+    XLA, the exact digits of every element, which need no compilation);
+    float64 and complex128 the digits of every element.  docs/algorithm.md
+    section 13 has the argument and the costs.
 
     Args:
       x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
@@ -163,7 +167,62 @@ def moments_state(x, axes=None, *, where=None, name=None):
                 )
             where = tf.broadcast_to(where, tf.shape(x))
         args = [x] if where is None else [x, where]
-        return MomentsState(_run(("state", axes), _state_values(axes), args), x.dtype)
+        return MomentsState(_state_call(axes, args), x.dtype)
+
+
+# Below this many elements an input's state is taken in plain operations outside XLA: the
+# one-pass XLA computation compiles in about 1.4 s per shape bucket on this 2-core CPU,
+# the plain digits of 2**16 float32 elements take about 10 ms.
+ONE_PASS_MIN = 1 << 16
+
+
+def _state_call(axes, args):
+    """The state's values: in one pass where the inputs have at most 24 bits and XLA runs
+    it (built into a user's XLA computation, else, from ONE_PASS_MIN elements or a size
+    unknown while tracing, an XLA computation of its own on inputs padded with zeros to
+    `_moments._bucket` sizes, so that shards of many lengths compile a few times); else
+    the digits of every element in plain operations."""
+    x = args[0]
+    layout = _layout(x.dtype)
+    size = x.shape.num_elements()  # None: not known while tracing
+    small = size is not None and size < ONE_PASS_MIN
+    if not _state.one_pass_applies(layout.fmt) or (
+        not in_xla_context() and (small or not _moments._use_xla())
+    ):
+        return _run(("state", axes), _state_values(axes), args)
+    parts, axis = [], None
+    for part in _moments._parts(x):
+        laid, axis = _moments._layout(part, axes)
+        parts.append(laid)
+    valid = None if len(args) == 1 else _moments._layout(args[1], axes)[0]
+    fmt = layout.fmt
+    if in_xla_context():
+        digits = _state.from_one_pass(_ops.XLA, parts, valid, fmt, axis)
+        return _shaped(tf.cast(digits, tf.int32), x, axes, layout)
+    dims = _moments._dims(parts[0])
+    pads = [[0, tf.cast(_moments._bucket(d) - d, tf.int32)] for d in dims]
+    data = [tf.pad(p, pads) for p in parts] + ([] if valid is None else [tf.pad(valid, pads)])
+    k = len(parts)
+
+    def fn(*a):
+        v = None if valid is None else a[k]
+        return _state.from_one_pass(_ops.XLA, list(a[:k]), v, fmt, axis, a[-1])
+
+    spec = [tf.TensorSpec([None, None], d.dtype) for d in data] + [tf.TensorSpec([], tf.int64)]
+    key = ("one_pass", axis, k, parts[0].dtype, valid is None)
+    count = tf.cast(dims[axis], tf.int64)
+    digits = _moments._compiled(key, fn, spec)(*data, count)[: dims[1 - axis]]
+    return _shaped(tf.cast(digits, tf.int32), x, axes, layout)
+
+
+def _shaped(digits, x, axes, layout):
+    """digits [slices, L] as [*kept_dims, L]."""
+    shape = _moments._out_shape(x, axes, False)
+    if tf.is_tensor(shape):
+        shape = tf.concat([tf.cast(shape, tf.int64), [layout.size]], 0)
+    else:
+        shape = [*shape, layout.size]
+    return tf.reshape(digits, shape)
 
 
 def _state_values(axes):
@@ -179,12 +238,7 @@ def _state_values(axes):
             valid, axis = _moments._layout(where, axes)
             valid = valid if axis == 1 else tf.transpose(valid)
         digits = tf.cast(_state.from_rows(_OPS, rows, valid, layout.fmt), tf.int32)
-        shape = _moments._out_shape(x, axes, False)
-        if tf.is_tensor(shape):
-            shape = tf.concat([tf.cast(shape, tf.int64), [layout.size]], 0)
-        else:
-            shape = [*shape, layout.size]
-        return tf.reshape(digits, shape)
+        return _shaped(digits, x, axes, layout)
 
     return fn
 

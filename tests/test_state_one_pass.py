@@ -1,0 +1,151 @@
+"""The state in one pass (moments_core/_state.py `from_one_pass`, docs section 13) against
+the digits of every element (`from_rows`): the same canonical state, bit for bit.
+
+Inputs of at most 24 bits take the one pass in JAX always and in TensorFlow inside XLA
+(and outside from `ONE_PASS_MIN` elements); the digits of every element are the state's
+definition, written once more.  Each array holds one kind of data per column, so that a
+layout compiles once: values on an offset, ranges wider than the pass's 2**42 (the branch
+that adds the digits of the inputs below it), NaN and infinities, subnormals (flushed),
+zeros, columns with every element masked.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import jax_kernel
+import tf_stable_moments
+from jax_kernel import _moments as jax_moments
+from jax_kernel import _ops as jax_ops
+from moments_core import _state
+from moments_core._formats import FORMATS
+from tf_stable_moments import _moments as tf_moments
+from tf_stable_moments import _ops as tf_ops
+from tf_stable_moments import _state as tf_state
+
+DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": jnp.bfloat16,
+    "complex64": np.complex64,
+}
+KINDS = ("normal", "offset", "wide", "special", "subnormal", "zeros", "one_tiny", "ties")
+
+
+def _column(rng, kind, n):
+    if kind == "normal":
+        return rng.normal(0, 1, n)
+    if kind == "offset":
+        return rng.normal(1e4, 1, n)
+    if kind == "wide":  # |x| from about 2**-90 to 2**90: more than 2**42 in one slice
+        return rng.choice([-1.0, 1.0], n) * np.exp(rng.normal(0, 20, n))
+    if kind == "special":
+        x = rng.normal(0, 1, n)
+        x[rng.permutation(n)[:3]] = [np.nan, np.inf, -np.inf]
+        return x
+    if kind == "subnormal":  # float32 subnormals and normals near 2**-126
+        return rng.normal(0, 1, n) * 2.0**-125
+    if kind == "zeros":
+        return np.zeros(n)
+    if kind == "one_tiny":  # one input 2**-60 below the rest: the branch for one element
+        x = rng.normal(0, 1, n)
+        x[n // 2] = 2.0**-60
+        return x
+    return rng.integers(-3, 4, n) * 0.5  # many equal values
+
+
+def _data(dtype, n, layout, seed):
+    """[n, kinds] (layout 0) or [kinds, n] (layout 1) of `dtype`, and a mask whose last
+    column is all False."""
+    rng = np.random.default_rng(seed)
+    x = np.stack([_column(rng, k, n) for k in KINDS], 1)
+    if np.dtype(dtype).kind == "c":
+        imag = np.stack([_column(rng, k, n) for k in reversed(KINDS)], 1)
+        x = x.astype(np.complex128)
+        x.imag = imag
+    with np.errstate(all="ignore"):
+        x = x.astype(dtype)
+    where = rng.random(x.shape) < 0.7
+    where[:, -1] = False
+    return (x, where) if layout == 0 else (x.T.copy(), where.T.copy())
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _jax_from_rows(x, where, axes):
+    parts, axis, fmt, _ = jax_moments._kernel_parts(x, axes)
+    with jax.enable_x64(True):
+        rows = [p.astype(np.float64) for p in parts]
+        rows = [r if axis == 1 else r.T for r in rows]
+        valid = None
+        if where is not None:
+            valid, _ = jax_moments._layout(jnp.broadcast_to(where, x.shape), axes)
+            valid = valid if axis == 1 else valid.T
+        return _state.from_rows(jax_ops, rows, valid, fmt).astype(np.int32)
+
+
+def _tf_one_pass(x, where, axis):
+    """The one pass of TensorFlow operations inside XLA, on a 2-D x reduced along axis."""
+    fmt = FORMATS[tf_moments._compute_dtype(x.dtype).name]
+
+    @tf.function(jit_compile=True, autograph=False)
+    def run(x, where):
+        parts = tf_moments._parts(x)
+        return _state.from_one_pass(tf_ops.XLA, parts, where, fmt, axis)
+
+    return run(x, where).numpy().astype(np.int32)
+
+
+# Each dtype in both layouts, one of them masked (CI budget: a case compiles in 1-3 s).
+CASES = [(d, layout, layout == k % 2) for k, d in enumerate(DTYPES) for layout in (0, 1)]
+CASES += [("float32", "4d", True), ("float32", "empty", False)]
+
+
+@pytest.mark.parametrize(
+    "dtype,layout,masked",
+    CASES,
+    ids=[f"{d}-{lay}-{'where' if m else 'all'}" for d, lay, m in CASES],
+)
+def test_one_pass_gives_the_state_of_every_elements_digits(dtype, layout, masked):
+    if layout == "4d":
+        x, where = _data(DTYPES[dtype], 384, 0, 4)
+        x, where = x.reshape(4, 96, 2, 4), where.reshape(4, 96, 2, 4)
+        axes = (0, 1)
+    elif layout == "empty":
+        x, where = np.zeros([0, 3], np.float32), np.zeros([0, 3], bool)
+        axes = (0,)
+    else:
+        x, where = _data(DTYPES[dtype], 700, layout, 7 + layout)
+        axes = (layout,)
+    mask = where if masked else None
+    want = np.asarray(_jax_from_rows(jnp.asarray(x), mask, axes))
+    got = np.asarray(jax_kernel.moments_state(x, axes, where=mask).values).reshape(want.shape)
+    np.testing.assert_array_equal(got, want, err_msg="JAX one pass vs every element's digits")
+    if x.ndim == 2 and dtype != "bfloat16":  # TensorFlow: the 2-D layouts, numpy dtypes
+        tf_got = _tf_one_pass(tf.constant(x), None if mask is None else tf.constant(mask), axes[0])
+        np.testing.assert_array_equal(tf_got, want, err_msg="TF one pass (XLA)")
+        plain = tf_stable_moments.moments_state(x, list(axes), where=mask)  # small: plain ops
+        np.testing.assert_array_equal(plain.values.numpy(), want, err_msg="TF plain digits")
+
+
+def test_tf_moments_state_runs_the_one_pass_from_its_size_and_gives_the_same_bits():
+    """A float32 input of ONE_PASS_MIN elements takes TensorFlow's one-pass XLA computation
+    (on zero-padded buckets, with the true count); its state, merged with a small shard's
+    state (plain digits), equals the state of the whole from JAX, and its moments are those
+    of `moments`."""
+    rng = np.random.default_rng(3)
+    rows = tf_state.ONE_PASS_MIN // 64 + 5  # not a bucket size: padded
+    x = rng.normal(1e6, 1, [rows + 3, 64]).astype(np.float32)
+    x[5, 7] = 2.0**-100  # one slice through the branch below the pass's range
+    big = tf_stable_moments.moments_state(x[:rows], [0])
+    small = tf_stable_moments.moments_state(x[rows:], [0])
+    merged = tf_stable_moments.merge_states(big, small)
+    whole = jax_kernel.moments_state(x, 0)
+    np.testing.assert_array_equal(merged.values.numpy(), np.asarray(whole.values))
+    for got, want in zip(
+        tf_stable_moments.state_moments(merged), tf_stable_moments.moments(x, [0])
+    ):
+        np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
