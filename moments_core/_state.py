@@ -405,11 +405,13 @@ def _number(ops, d):
     return d[:, 0] + ops.shl(d[:, 1], 16) + ops.shl(d[:, 2], 32)
 
 
-def finish(ops, d, layout, ddof):
+def finish(ops, d, layout, ddof, target=None):
     """(mean bits per part, var bits, special) from int64 canonical digits [rows, L].
 
     Bit patterns as signed integers of fmt.bits (moments_core._exact.to_float),
-    special: per part (nan, pinf, ninf) bool [rows], and n (int64 [rows]).
+    special: per part (nan, pinf, ninf) bool [rows], and n (int64 [rows]).  target:
+    None, or a wider format to round to (the sums are exact: the mean of float32
+    data to float64, for the layers' second part of the mean).
     """
     fmt = layout.fmt
     l1, l2 = _exact.lengths(fmt)
@@ -449,7 +451,7 @@ def finish(ops, d, layout, ddof):
             ops.concat([ops.ones_like(n)] * layout.parts + [divisor], 0),
         ],
         ops.concat([ops.zeros_like(n) + o for o in offsets], 0),
-        fmt,
+        fmt if target is None else target,
         ops.concat(negative + [ops.zeros_like(negative[0])], 0),
     )
     size = ops.shape(n, 0)
@@ -465,21 +467,23 @@ def finish(ops, d, layout, ddof):
     return means, var, special, n
 
 
-def values(ops, d, layout, ddof):
-    """(means per part, var) as float64 arrays of fmt values, with the special values of
-    `moments` (docs section 8) from int64 canonical digits [rows, L]."""
-    mean_bits, var_bits, special, n = finish(ops, d, layout, ddof)
+def values(ops, d, layout, ddof, target=None):
+    """(means per part, var) as float64 arrays of fmt values (target's, if given: see
+    `finish`), with the special values of `moments` (docs section 8) from int64
+    canonical digits [rows, L]."""
+    mean_bits, var_bits, special, n = finish(ops, d, layout, ddof, target)
+    out = layout.fmt if target is None else target
     nan, inf = float("nan"), float("inf")
     means, any_special = [], None
     for bits, (has_nan, pos, neg) in zip(mean_bits, special):
-        value = ops.from_bits(bits, layout.fmt)
+        value = ops.from_bits(bits, out)
         value = ops.where(
             has_nan | (pos & neg), nan, ops.where(pos, inf, ops.where(neg, -inf, value))
         )
         means.append(ops.where(n > 0, value, nan))
         flag = has_nan | pos | neg
         any_special = flag if any_special is None else any_special | flag
-    var = ops.from_bits(var_bits, layout.fmt)
+    var = ops.from_bits(var_bits, out)
     var = ops.where(any_special | (n - ddof <= 0) | ops.eq(n, 0), nan, var)
     return means, var
 

@@ -149,3 +149,23 @@ def test_tf_moments_state_runs_the_one_pass_from_its_size_and_gives_the_same_bit
         tf_stable_moments.state_moments(merged), tf_stable_moments.moments(x, [0])
     ):
         np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
+
+
+def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
+    """`_wide_mean` (StableNormalization.adapt's second part of the mean) rounds a float32
+    state's exact sums to float64: the bits of the state of the data widened to float64
+    (its own digits of every element) and of the oracle, NaN and infinities as there."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(1e6, 3, [257, 6]).astype(np.float32)
+    x[:, 1] = rng.normal(0, 1e-3, 257)
+    x[3, 2], x[4, 3], x[5, 3] = np.nan, np.inf, -np.inf
+    x[:, 4] = 2.0**-120  # small, normal in float32
+    got = tf_state._wide_mean(tf_stable_moments.moments_state(x, [0])).numpy()
+    wide = tf_stable_moments.moments_state(x.astype(np.float64), [0])
+    want = tf_stable_moments.state_moments(wide)[0].numpy()
+    np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))
+    for j in (0, 1, 4, 5):
+        exact = float(sum(Fraction(float(v)) for v in x[:, j]) / len(x))
+        assert got[j] == exact, (j, got[j], exact)

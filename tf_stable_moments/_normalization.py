@@ -18,8 +18,9 @@ What this layer does instead:
     (population) variance of the whole data set, the same bits whatever the
     batch size or order.  The data are converted to float32 (the layer's
     compute dtype, at least float32) first, as keras does for batches.
-  * A second exact state of the same data widened to float64 gives the mean to
-    float64; its difference from the float32 mean, rounded to float32, is kept
+  * The same exact sums rounded to float64 give the mean to float64 (the mean
+    of the data widened to float64); its difference from the float32 mean,
+    rounded to float32, is kept
     as a fourth weight "mean_correction" (keyword-only compensated_mean=True,
     the default), so that mean + mean_correction is the mean to about 2**-48
     relative.  Given mean= values are split the same way (float64 -> two
@@ -259,21 +260,18 @@ class StableNormalization(keras.layers.Normalization):
                     )
         import tensorflow as tf
 
-        from tf_stable_moments._state import merge_states, moments_state, state_moments
+        from tf_stable_moments._state import _wide_mean, merge_states, moments_state, state_moments
 
         work = tf.as_dtype(self._work_dtype)
-        states = None
+        state = None
         count = 0
         for x in self._chunks(batches):
             x = tf.cast(tf.convert_to_tensor(x), work)
-            pair = (
-                moments_state(x, self._reduce_axis),
-                moments_state(tf.cast(x, tf.float64), self._reduce_axis),
-            )
-            states = pair if states is None else tuple(map(merge_states, states, pair))
+            current = moments_state(x, self._reduce_axis)
+            state = current if state is None else merge_states(state, current)
             count += math.prod(x.shape[d] for d in self._reduce_axis)
-        mean, variance = (t.numpy() for t in state_moments(states[0]))
-        wide_mean = state_moments(states[1])[0].numpy()
+        mean, variance = (t.numpy() for t in state_moments(state))
+        wide_mean = _wide_mean(state).numpy()
         self.adapt_mean.assign(mean)
         self.adapt_variance.assign(variance)
         self.count.assign(count)

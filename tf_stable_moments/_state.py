@@ -319,6 +319,24 @@ def state_moments(state, ddof=0, name=None):
         return tf.reshape(mean, shape), tf.reshape(var, shape)
 
 
+def _wide_mean(state):
+    """The mean of the data of a state rounded once to float64 (float64 [*kept_dims]):
+    the sums are exact, so a state of float32 data gives the mean of the data widened
+    to float64 (inputs below float32's normal range count as 0, as TensorFlow's CPU
+    kernels read them) without a second state of the widened data."""
+    _check_state(state, "_wide_mean", "state")
+    layout = _layout(state.dtype)
+
+    def fn(values):
+        digits = _state.carry(_OPS, tf.cast(values, tf.int64), layout.lengths, 31)
+        zero = tf.constant(0, tf.int64)
+        return _state.values(_OPS, digits, layout, zero, FORMATS["float64"])[0][0]
+
+    flat = tf.reshape(state.values, [-1, layout.size])
+    mean = _run(("wide_mean", state.dtype), fn, [flat])
+    return tf.reshape(mean, tf.shape(state.values)[:-1])
+
+
 def _not_a_stream(batches, fn):
     if isinstance(batches, (np.ndarray, tf.Tensor, tf.Variable)) or not hasattr(
         batches, "__iter__"
