@@ -95,25 +95,25 @@ def _check_state(state, fn, arg):
     return state
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _state_values(x, where, axes):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _state_values(x, where, axes, one_pass=True):
+    """The state's values: in one pass where the inputs have at most 24 bits (and
+    one_pass), else the digits of every element (`_state.from_rows`)."""
     parts, axis, fmt, _ = _moments._kernel_parts(x, axes)
     layout = _state.Layout(fmt, len(parts))
     kept = out_shape(x.shape, axes, False)
     with jax.enable_x64(True):
-        if _state.one_pass_applies(fmt):
-            valid = None
-            if where is not None:
-                valid, _ = _moments._layout(jnp.broadcast_to(where, x.shape), axes)
-            digits = _state.from_one_pass(_ops, parts, valid, fmt, axis)
-            return digits.astype(np.int32).reshape(*kept, layout.size)
-        rows = [p.astype(np.float64) for p in parts]
-        rows = [r if axis == 1 else r.T for r in rows]
         valid = None
         if where is not None:
             valid, _ = _moments._layout(jnp.broadcast_to(where, x.shape), axes)
-            valid = valid if axis == 1 else valid.T
-        digits = _state.from_rows(_ops, rows, valid, fmt)
+        if one_pass and _state.one_pass_applies(fmt):
+            digits = _state.from_one_pass(_ops, parts, valid, fmt, axis)
+        else:  # rows layout: the elements of a slice along axis 1
+            rows = [p.astype(np.float64) for p in parts]
+            if axis == 0:
+                rows = [r.T for r in rows]
+                valid = None if valid is None else valid.T
+            digits = _state.from_rows(_ops, rows, valid, fmt)
         return digits.astype(np.int32).reshape(*kept, layout.size)
 
 

@@ -9,18 +9,16 @@ that adds the digits of the inputs below it), NaN and infinities, subnormals (fl
 zeros, columns with every element masked.
 """
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
+from datasets import oracle
+from modes import bits
 
 import jax_kernel
 import tf_stable_moments
-from jax_kernel import _moments as jax_moments
-from jax_kernel import _ops as jax_ops
+from jax_kernel import _state as jax_state
 from moments_core import _state
 from moments_core._formats import FORMATS
 from tf_stable_moments import _moments as tf_moments
@@ -74,19 +72,6 @@ def _data(dtype, n, layout, seed):
     return (x, where) if layout == 0 else (x.T.copy(), where.T.copy())
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _jax_from_rows(x, where, axes):
-    parts, axis, fmt, _ = jax_moments._kernel_parts(x, axes)
-    with jax.enable_x64(True):
-        rows = [p.astype(np.float64) for p in parts]
-        rows = [r if axis == 1 else r.T for r in rows]
-        valid = None
-        if where is not None:
-            valid, _ = jax_moments._layout(jnp.broadcast_to(where, x.shape), axes)
-            valid = valid if axis == 1 else valid.T
-        return _state.from_rows(jax_ops, rows, valid, fmt).astype(np.int32)
-
-
 def _tf_one_pass(x, where, axis):
     """The one pass of TensorFlow operations inside XLA, on a 2-D x reduced along axis."""
     fmt = FORMATS[tf_moments._compute_dtype(x.dtype).name]
@@ -121,9 +106,18 @@ def test_one_pass_gives_the_state_of_every_elements_digits(dtype, layout, masked
         x, where = _data(DTYPES[dtype], 700, layout, 7 + layout)
         axes = (layout,)
     mask = where if masked else None
-    want = np.asarray(_jax_from_rows(jnp.asarray(x), mask, axes))
-    got = np.asarray(jax_kernel.moments_state(x, axes, where=mask).values).reshape(want.shape)
+    whole = jax_state._state_values(jnp.asarray(x), mask, axes, False)  # every element's digits
+    want = np.asarray(whole).reshape(-1, whole.shape[-1])
+    state = jax_kernel.moments_state(x, axes, where=mask)
+    got = np.asarray(state.values).reshape(want.shape)
     np.testing.assert_array_equal(got, want, err_msg="JAX one pass vs every element's digits")
+    if layout == "empty":  # n = 0: NaN, as moments gives (section 8)
+        assert np.isnan(np.asarray(jax_kernel.state_moments(state))).all()
+    elif mask is None:  # the exact oracle, through state_moments
+        for ddof in (0, 1):
+            ours = jax_kernel.state_moments(state, ddof)
+            for g, w in zip(ours, oracle(x, axes, ddof)):
+                np.testing.assert_array_equal(bits(np.asarray(g)), bits(np.asarray(w)))
     if x.ndim == 2 and dtype != "bfloat16":  # TensorFlow: the 2-D layouts, numpy dtypes
         tf_got = _tf_one_pass(tf.constant(x), None if mask is None else tf.constant(mask), axes[0])
         np.testing.assert_array_equal(tf_got, want, err_msg="TF one pass (XLA)")
