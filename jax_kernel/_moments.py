@@ -95,15 +95,7 @@ def _native_moments(x, axes, ddof, lo=False):
     part (float16/bfloat16 data computed in float32 with their own format, cast back
     exactly), all flat over the kept axes in row-major order; undecided int32; lows
     (with lo, else None) mean_lo per part from the native mean_lo call."""
-    work = _compute_dtype(x.dtype)
-    fmt = FORMATS[work.name]
-    carrier = np.dtype(np.float32) if work in _HALF_DTYPES else work
-    perm, shape = native_layout(list(x.shape), axes)
-    laid = (x if perm is None else jnp.transpose(x, perm)).reshape(shape)
-    if jnp.iscomplexobj(laid):
-        data = jnp.stack([jnp.real(laid), jnp.imag(laid)], axis=-1).astype(carrier)
-    else:
-        data = laid.astype(carrier)[..., None]
+    data, fmt, work = native_data(x, axes)
     mean, var, count = _native.moments_call(data, ddof, fmt)
     with jax.enable_x64(True):
         count = count.astype(np.int32)
@@ -113,6 +105,20 @@ def _native_moments(x, axes, ddof, lo=False):
         low = _native.mean_lo_call(data, mean, var, ddof, fmt)
         lows = [low[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
     return means, var.reshape(-1).astype(work), count, lows
+
+
+def native_data(x, axes):
+    """(data, fmt, work): x as the native calls read it, [outer, n, inner, parts] (moments_core
+    .native.layout; float16/bfloat16 as float32, exact), its target format and dtype."""
+    work = _compute_dtype(x.dtype)
+    carrier = np.dtype(np.float32) if work in _HALF_DTYPES else work
+    perm, shape = native_layout(list(x.shape), axes)
+    laid = (x if perm is None else jnp.transpose(x, perm)).reshape(shape)
+    if jnp.iscomplexobj(laid):
+        data = jnp.stack([jnp.real(laid), jnp.imag(laid)], axis=-1).astype(carrier)
+    else:
+        data = laid.astype(carrier)[..., None]
+    return data, FORMATS[work.name], work
 
 
 def _kernel_parts(x, axes):

@@ -16,8 +16,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-from jax_kernel import _moments, _ops
+from jax_kernel import _moments, _native, _ops
+from jax_kernel._moments import _ShapedArray
 from moments_core import _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof, out_shape
@@ -95,9 +98,8 @@ def _check_state(state, fn, arg):
     return state
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _state_values(x, where, axes, one_pass=True):
-    """The state's values: in one pass where the inputs have at most 24 bits (and
+def _xla_state(x, where, axes, one_pass=True):
+    """The state's values in XLA: in one pass where the inputs have at most 24 bits (and
     one_pass), else the digits of every element (`_state.from_rows`)."""
     parts, axis, fmt, _ = _moments._kernel_parts(x, axes)
     layout = _state.Layout(fmt, len(parts))
@@ -115,6 +117,68 @@ def _state_values(x, where, axes, one_pass=True):
                 valid = None if valid is None else valid.T
             digits = _state.from_rows(_ops, rows, valid, fmt)
         return digits.astype(np.int32).reshape(*kept, layout.size)
+
+
+_state_values = jax.jit(_xla_state, static_argnums=(2, 3))
+
+
+def _native_state(x, axes):
+    """The state's values from the native kernel's one pass (the CPU's FFI call)."""
+    data, fmt, _ = _moments.native_data(x, axes)
+    layout = _state.Layout(fmt, data.shape[-1])
+    values = _native.state_call(data, fmt, layout.l1, layout.l2)
+    return values.reshape(*out_shape(x.shape, axes, False), layout.size)
+
+
+# The state as a primitive lowered per platform, as `_moments._stats_p` chooses the
+# kernel: the native FFI call on the CPU (not in an exported artifact), the XLA one pass
+# everywhere else; the same bits (both are the canonical state).
+_state_p = Primitive("tf_stable_moments_state")
+
+
+@_state_p.def_abstract_eval
+def _state_abstract(x, *, axes, native):
+    kept = out_shape(x.shape, axes, False)
+    return _ShapedArray((*kept, _layout(x.dtype).size), np.int32)
+
+
+def _state_fn(axes, native):
+    if native:
+        return lambda x: _native_state(x, axes)
+    return lambda x: _xla_state(x, None, axes)
+
+
+@_state_p.def_impl
+def _state_impl(x, *, axes, native):
+    native = native and _native.concrete_platform(x) == "cpu"
+    return _state_jit(x, axes, native)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _state_jit(x, axes, native):
+    return _state_fn(axes, native)(x)
+
+
+def _state_lowering(platform):
+    def lower(ctx, x, *, axes, native):
+        native = native and platform == "cpu" and not _native.for_export(ctx)
+        return mlir.lower_fun(_state_fn(axes, native), multiple_results=False)(ctx, x)
+
+    return lower
+
+
+mlir.register_lowering(_state_p, _state_lowering(None))
+mlir.register_lowering(_state_p, _state_lowering("cpu"), platform="cpu")
+
+
+def _state_batch(args, dims, *, axes, native):
+    """vmap: the batch axis becomes the first kept axis, so the states' first axis."""
+    (x,), (bd,) = args, dims
+    x = jnp.moveaxis(x, bd, 0)
+    return _state_p.bind(x, axes=tuple(a + 1 for a in axes), native=native), 0
+
+
+batching.primitive_batchers[_state_p] = _state_batch
 
 
 def moments_state(x, axes=None, *, where=None):
@@ -144,7 +208,11 @@ def moments_state(x, axes=None, *, where=None):
             raise TypeError(
                 f"moments_state: where must be a bool array; got where of dtype {where.dtype}"
             )
-    return MomentsState(_state_values(x, where, axes), x.dtype)
+    if where is None:
+        values = _state_p.bind(x, axes=tuple(axes), native=_moments._use_native())
+    else:
+        values = _state_values(x, where, axes)
+    return MomentsState(values, x.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

@@ -1,14 +1,21 @@
-"""The state in one pass (moments_core/_state.py `from_one_pass`, docs section 13) against
-the digits of every element (`from_rows`): the same canonical state, bit for bit.
+"""The state in one pass against the digits of every element (`from_rows`, the state's
+definition, written once more): the same canonical state, bit for bit.  Two one-pass
+implementations (docs section 13, "The state in one pass"):
 
-Inputs of at most 24 bits take the one pass in JAX always and in TensorFlow inside XLA
-(and outside from `ONE_PASS_MIN` elements); the digits of every element are the state's
-definition, written once more.  Each array holds one kind of data per column, so that a
-layout compiles once: values on an offset, ranges wider than the pass's 2**42 (the branch
-that adds the digits of the inputs below it), NaN and infinities, subnormals (flushed),
-zeros, columns with every element masked.
+- the XLA one pass (moments_core/_state.py `from_one_pass`), for inputs of at most 24
+  bits: JAX off the CPU's native kernel (and masked), TensorFlow inside XLA (and outside
+  from `ONE_PASS_MIN` elements when the native op does not serve);
+- the native kernel's (moments.h `state`: the TF op StableState and the JAX FFI call),
+  every dtype, on the CPU outside XLA, without a mask.
+
+Each array holds one kind of data per column, so that a layout compiles once: values on an
+offset, ranges wider than the pass's 2**42 (the branch that adds the digits of the inputs
+below it; the native kernel's bins below its window), magnitudes rising along the slice
+(the native kernel's window raised again and again), NaN and infinities, subnormals
+(flushed), zeros, columns with every element masked.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,7 +38,7 @@ DTYPES = {
     "bfloat16": jnp.bfloat16,
     "complex64": np.complex64,
 }
-KINDS = ("normal", "offset", "wide", "special", "subnormal", "zeros", "one_tiny", "ties")
+KINDS = ("normal", "offset", "wide", "special", "subnormal", "zeros", "one_tiny", "ties", "rising")
 
 
 def _column(rng, kind, n):
@@ -53,6 +60,8 @@ def _column(rng, kind, n):
         x = rng.normal(0, 1, n)
         x[n // 2] = 2.0**-60
         return x
+    if kind == "rising":  # |x| from 2**-60 to 2**60 along the slice, signs mixed
+        return rng.choice([-1.0, 1.0], n) * np.exp2(np.linspace(-60, 60, n))
     return rng.integers(-3, 4, n) * 0.5  # many equal values
 
 
@@ -97,7 +106,7 @@ CASES += [("float32", "4d", True), ("float32", "empty", False)]
 def test_one_pass_gives_the_state_of_every_elements_digits(dtype, layout, masked):
     if layout == "4d":
         x, where = _data(DTYPES[dtype], 384, 0, 4)
-        x, where = x.reshape(4, 96, 2, 4), where.reshape(4, 96, 2, 4)
+        x, where = x.reshape(4, 96, 3, 3), where.reshape(4, 96, 3, 3)  # nine kinds
         axes = (0, 1)
     elif layout == "empty":
         x, where = np.zeros([0, 3], np.float32), np.zeros([0, 3], bool)
@@ -108,9 +117,13 @@ def test_one_pass_gives_the_state_of_every_elements_digits(dtype, layout, masked
     mask = where if masked else None
     whole = jax_state._state_values(jnp.asarray(x), mask, axes, False)  # every element's digits
     want = np.asarray(whole).reshape(-1, whole.shape[-1])
-    state = jax_kernel.moments_state(x, axes, where=mask)
+    one_pass = jax_state._state_values(jnp.asarray(x), mask, axes, True)
+    np.testing.assert_array_equal(
+        np.asarray(one_pass).reshape(want.shape), want, err_msg="JAX one pass vs digits"
+    )
+    state = jax_kernel.moments_state(x, axes, where=mask)  # the native kernel's if unmasked
     got = np.asarray(state.values).reshape(want.shape)
-    np.testing.assert_array_equal(got, want, err_msg="JAX one pass vs every element's digits")
+    np.testing.assert_array_equal(got, want, err_msg="JAX moments_state vs digits")
     if layout == "empty":  # n = 0: NaN, as moments gives (section 8)
         assert np.isnan(np.asarray(jax_kernel.state_moments(state))).all()
     elif mask is None:  # the exact oracle, through state_moments
@@ -121,21 +134,23 @@ def test_one_pass_gives_the_state_of_every_elements_digits(dtype, layout, masked
     if x.ndim == 2 and dtype != "bfloat16":  # TensorFlow: the 2-D layouts, numpy dtypes
         tf_got = _tf_one_pass(tf.constant(x), None if mask is None else tf.constant(mask), axes[0])
         np.testing.assert_array_equal(tf_got, want, err_msg="TF one pass (XLA)")
-        plain = tf_stable_moments.moments_state(x, list(axes), where=mask)  # small: plain ops
+        with tf_stable_moments.portable():  # no native op: small, so the plain digits
+            plain = tf_stable_moments.moments_state(x, list(axes), where=mask)
         np.testing.assert_array_equal(plain.values.numpy(), want, err_msg="TF plain digits")
 
 
 def test_tf_moments_state_runs_the_one_pass_from_its_size_and_gives_the_same_bits():
-    """A float32 input of ONE_PASS_MIN elements takes TensorFlow's one-pass XLA computation
-    (on zero-padded buckets, with the true count); its state, merged with a small shard's
-    state (plain digits), equals the state of the whole from JAX, and its moments are those
-    of `moments`."""
+    """Where the native op does not serve, a float32 input of ONE_PASS_MIN elements takes
+    TensorFlow's one-pass XLA computation (on zero-padded buckets, with the true count); its
+    state, merged with a small shard's state (plain digits), equals the state of the whole
+    from JAX, and its moments are those of `moments`."""
     rng = np.random.default_rng(3)
     rows = tf_state.ONE_PASS_MIN // 64 + 5  # not a bucket size: padded
     x = rng.normal(1e6, 1, [rows + 3, 64]).astype(np.float32)
     x[5, 7] = 2.0**-100  # one slice through the branch below the pass's range
-    big = tf_stable_moments.moments_state(x[:rows], [0])
-    small = tf_stable_moments.moments_state(x[rows:], [0])
+    with tf_stable_moments.portable():  # not the native op
+        big = tf_stable_moments.moments_state(x[:rows], [0])
+        small = tf_stable_moments.moments_state(x[rows:], [0])
     merged = tf_stable_moments.merge_states(big, small)
     whole = jax_kernel.moments_state(x, 0)
     np.testing.assert_array_equal(merged.values.numpy(), np.asarray(whole.values))
@@ -163,3 +178,70 @@ def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
     for j in (0, 1, 4, 5):
         exact = float(sum(Fraction(float(v)) for v in x[:, j]) / len(x))
         assert got[j] == exact, (j, got[j], exact)
+
+
+# ------------------------------------------------------------- the native kernel's one pass
+NATIVE_DTYPES = {**DTYPES, "float64": np.float64, "complex128": np.complex128}
+# (shape of the data before the kinds are laid out, axes): columns (eight-lane vectors and a
+# scalar tail), long rows (read as eight columns) and short ones (bins), non-adjacent
+# reduced axes (transposed first), and more rows than the window sums hold between spills
+# (2**15).
+NATIVE_LAYOUTS = {
+    "columns": 700,
+    "long_rows": 700,
+    "short_rows": 100,
+    "3d": 96,
+    "spill": 33000,
+}
+NATIVE_CASES = [("float32", lay) for lay in NATIVE_LAYOUTS]  # (CI budget: about 1 s each)
+NATIVE_CASES += [("float16", "long_rows"), ("float16", "spill"), ("bfloat16", "columns")]
+NATIVE_CASES += [("complex64", "columns"), ("complex64", "long_rows")]
+NATIVE_CASES += [("float64", "columns"), ("float64", "short_rows"), ("complex128", "3d")]
+
+
+def _native_data(dtype, layout, seed):
+    x, _ = _data(NATIVE_DTYPES[dtype], NATIVE_LAYOUTS[layout], 0, seed)  # [n, kinds]
+    if layout in ("long_rows", "short_rows"):
+        return x.T.copy(), (1,)
+    if layout == "3d":  # [4, kinds, 24] reduced over (0, 2)
+        return x.reshape(4, 24, -1).transpose(0, 2, 1).copy(), (0, 2)
+    return x, (0,)
+
+
+@pytest.mark.parametrize(
+    "dtype,layout", NATIVE_CASES, ids=[f"{d}-{lay}" for d, lay in NATIVE_CASES]
+)
+def test_native_state_gives_the_state_of_every_elements_digits(dtype, layout):
+    """The native kernel's state (TF op in eager mode, JAX FFI call under jit) is the state
+    of every element's digits, bit for bit, for every dtype and layout."""
+    x, axes = _native_data(dtype, layout, 21)
+    with jax.enable_x64(x.dtype in (np.float64, np.complex128)):  # JAX keeps float64 data
+        want = np.asarray(jax_state._state_values(jnp.asarray(x), None, axes, False))
+        native = jax.jit(lambda v: jax_kernel.moments_state(v, axes).values)
+        assert jax_state._native.STATE_TARGET in native.lower(x).as_text()
+        np.testing.assert_array_equal(np.asarray(native(x)), want, err_msg="JAX native")
+    if dtype != "bfloat16":  # TensorFlow: numpy dtypes
+        got = tf_stable_moments.moments_state(x, list(axes)).values.numpy()
+        np.testing.assert_array_equal(got, want, err_msg="TF native op")
+
+
+def test_native_state_is_chosen_per_platform_and_never_exported():
+    """The native kernel serves the CPU outside XLA only: a TF graph holds the StableState
+    op (none under `portable`); a JAX computation lowered for the CPU holds the FFI call,
+    one exported for CPU and CUDA holds none and gives the same bits; vmap batches it."""
+    x = np.random.default_rng(5).normal(1e3, 1, [300, 3, 2]).astype(np.float32)
+    fn = tf.function(lambda v: tf_stable_moments.moments_state(v, [0]).values)
+    spec = tf.TensorSpec(x.shape, tf.float32)
+    ops = {op.type for op in fn.get_concrete_function(spec).graph.get_operations()}
+    assert "StableState" in ops
+    with tf_stable_moments.portable():
+        fn = tf.function(lambda v: tf_stable_moments.moments_state(v, [0]).values)
+        ops = {op.type for op in fn.get_concrete_function(spec).graph.get_operations()}
+    assert not any(t.startswith("Stable") for t in ops), ops
+    state = jax.jit(lambda v: jax_kernel.moments_state(v, 0).values)
+    exported = jax.export.export(state, platforms=("cpu", "cuda"))(x)
+    assert jax_state._native.STATE_TARGET not in exported.mlir_module()
+    want = np.asarray(state(x))
+    np.testing.assert_array_equal(np.asarray(exported.call(x)), want)
+    batched = jax.vmap(lambda v: jax_kernel.moments_state(v, 0).values, in_axes=2)(x)
+    np.testing.assert_array_equal(np.asarray(batched), np.moveaxis(want, 1, 0))

@@ -22,7 +22,7 @@ from tensorflow.python.eager import context as _context
 from moments_core import _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof
-from tf_stable_moments import _moments, _ops
+from tf_stable_moments import _moments, _native, _ops
 from tf_stable_moments._xla_context import in_xla_context
 
 __all__ = ["MomentsState", "accumulate_state", "merge_states", "moments_state", "state_moments"]
@@ -184,6 +184,11 @@ def _state_call(axes, args):
     the digits of every element in plain operations."""
     x = args[0]
     layout = _layout(x.dtype)
+    op = None if len(args) > 1 or in_xla_context() else _native.formula_op("state", x)
+    if op is not None:  # the native kernel's one pass (the CPU, outside XLA, no mask)
+        y, attrs, _ = _moments._native_input(x, axes, 0)
+        del attrs["ddof"]
+        return op(y, l1=layout.l1, l2=layout.l2, **attrs)
     size = x.shape.num_elements()  # None: not known while tracing
     small = size is not None and size < ONE_PASS_MIN
     if not _state.one_pass_applies(layout.fmt) or (

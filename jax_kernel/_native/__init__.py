@@ -28,6 +28,7 @@ TARGET = "tf_stable_moments_native_moments"  # the FFI target name
 SYMBOL = "StableMoments"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in stable_moments_ffi.cc
 LO_TARGET, LO_SYMBOL = "tf_stable_moments_native_mean_lo", "StableMeanLo"
 STALL_TARGET, STALL_SYMBOL = "tf_stable_moments_native_stall_check", "StableStallCheck"
+STATE_TARGET, STATE_SYMBOL = "tf_stable_moments_native_state", "StableState"
 
 _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
@@ -70,6 +71,7 @@ def _open(path):
         (TARGET, getattr(lib, SYMBOL)),
         (LO_TARGET, getattr(lib, LO_SYMBOL)),
         (STALL_TARGET, getattr(lib, STALL_SYMBOL)),
+        (STATE_TARGET, getattr(lib, STATE_SYMBOL)),
     ]
     lib.SetStallReporter.argtypes = [_REPORTER]
     lib.SetStallReporter.restype = None
@@ -183,6 +185,27 @@ def mean_lo_call(x, mean, var, ddof, fmt):
             precision=np.int64(fmt.precision),
             emin=np.int64(fmt.emin),
             emax=np.int64(fmt.emax),
+        )
+
+
+def state_call(x, fmt, l1, l2):
+    """The moments state (docs section 13) of every slice of x [..., n, inner, parts]
+    (float32 or float64; float16/bfloat16 data as float32 with their own format `fmt`):
+    int32 [..., inner, 3 + parts (l1 + 9) + l2], the digits of `_state.Layout(fmt,
+    parts)` with l1, l2 its field lengths."""
+    if load() is None:
+        raise RuntimeError("state_call: the native kernel is unavailable or switched off")
+    size = 3 + x.shape[-1] * (l1 + 9) + l2
+    with jax.enable_x64(True):
+        out = jax.ShapeDtypeStruct((*x.shape[:-3], x.shape[-2], size), np.int32)
+        call = jax.ffi.ffi_call(STATE_TARGET, out, vmap_method="broadcast_all")
+        return call(
+            x,
+            precision=np.int64(fmt.precision),
+            emin=np.int64(fmt.emin),
+            emax=np.int64(fmt.emax),
+            l1=np.int64(l1),
+            l2=np.int64(l2),
         )
 
 

@@ -817,7 +817,7 @@ inline double round_ratio(Big num, bool negative, int64_t scale, uint64_t d1, ui
 // One part of one slice: exact integer sums and the special values it holds.
 struct ExactPart {
   Big pos, neg, sq;  // S1 = pos - neg and S2 = sq, in units 2**base and 2**(2 base)
-  bool nan = false, pinf = false, ninf = false;
+  uint64_t nan = 0, pinf = 0, ninf = 0;  // counts (the state keeps them; the kernel tests > 0)
 };
 
 // Significands binned by the input's own exponent field: bin E holds sum +-m and sum m**2
@@ -861,9 +861,9 @@ class BinSums {
       if (e != cur || count == kRun) {
         if (e == B::kBins - 1) {  // Inf or NaN
           if (b & kMantMask) {
-            r_.nan = true;
+            ++r_.nan;
           } else {
-            ((b >> (8 * sizeof(T) - 1)) ? r_.ninf : r_.pinf) = true;
+            ++((b >> (8 * sizeof(T) - 1)) ? r_.ninf : r_.pinf);
           }
           continue;
         }
@@ -1117,6 +1117,363 @@ Result moments(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, i
     at = end;
   }
   return res;
+}
+
+// ------------------------------------------------------------------ the state (section 13)
+// The mergeable moments state of moments_core/_state.py in one pass over the data: per
+// slice the exact sums of the bins (ExactPart: the same integers S1 = sum X and
+// S2 = sum X**2, X = x / 2**base, inputs below 2**emin counted as 0), written as the
+// state's fields of radix-2**16 digits, little-endian:
+//   n (3 digits), per part: S1 (l1 digits, two's complement modulo 2**(16 l1)),
+//   NaN, +inf, -inf counts (3 digits each); S2 of all parts (l2 digits).
+// The digits are canonical (each in [0, 2**16)), so they are the bits of the XLA and
+// plain paths' states (`_state.from_one_pass`, `_state.from_rows`) for the same data.
+struct StateLayout {
+  int l1, l2, parts;  // the digits of S1 and S2 (`_state.Layout`), real parts
+  int64_t size() const { return 3 + parts * (l1 + 9) + l2; }
+};
+
+inline uint32_t digit(const Big& a, int d) {  // digit d of a (radix 2**16)
+  const size_t limb = static_cast<size_t>(d / 4);
+  return limb < a.size() ? static_cast<uint32_t>((a[limb] >> (16 * (d % 4))) & 0xFFFF) : 0;
+}
+
+inline int32_t* put_count(int32_t* out, uint64_t v) {  // v < 2**48: 3 digits
+  for (int d = 0; d < 3; ++d) *out++ = static_cast<int32_t>((v >> (16 * d)) & 0xFFFF);
+  return out;
+}
+
+inline void write_state(const ExactPart* ex, int64_t n, const StateLayout& s, int32_t* out) {
+  out = put_count(out, static_cast<uint64_t>(n));
+  Big sq;
+  for (int j = 0; j < s.parts; ++j) {
+    int32_t borrow = 0;  // S1 = pos - neg, digit by digit; the borrow out of the top is dropped
+    for (int d = 0; d < s.l1; ++d) {
+      int32_t v = static_cast<int32_t>(digit(ex[j].pos, d)) -
+                  static_cast<int32_t>(digit(ex[j].neg, d)) - borrow;
+      borrow = v < 0 ? 1 : 0;
+      *out++ = v + (borrow << 16);
+    }
+    out = put_count(out, ex[j].nan);
+    out = put_count(out, ex[j].pinf);
+    out = put_count(out, ex[j].ninf);
+    sq = add(sq, ex[j].sq);
+  }
+  for (int d = 0; d < s.l2; ++d) *out++ = static_cast<int32_t>(digit(sq, d));
+}
+
+// The float inputs of columns [c0, c1) of a block [rows, width], summed exactly per column
+// (ExactPart) in one pass.  Each column keeps an exponent field E and a window of W = 24
+// fields below it: an input m 2**(e - 150) (m < 2**24 its significand, e its field) with
+// E - W <= e <= E is the integer y = m 2**(e - E + W) < 2**48 in units 2**(E - W - 150), and
+//   t1 = sum +-y,  y = a 2**24 + b (a, b < 2**24):  t2 = sum a**2, t3 = sum a b, t4 = sum b**2,
+// so that sum y**2 = t2 2**48 + t3 2**25 + t4.  Every term is below 2**48: int64 sums of
+// kFlush = 2**15 rows cannot overflow, and every add is exact, in any order.  Eight
+// columns run in the lanes of one vector; a vector holding an input outside its lane's
+// window (e > E, or a normal input below E - W), NaN or Inf goes through `odd`, scalar:
+// e > E spills the column's sums (into ex at their bit positions) and raises E to e + 2;
+// inputs below the window go to int64 bins per field (`deep`, as `BinSums`); NaN and Inf
+// are counted.  Inputs below 2**emin count as 0.  All sums are spilled every kFlush rows
+// and at the end.  Stationary data raise E a few times, then run in vectors only.
+typedef uint32_t v4u __attribute__((vector_size(16)));
+typedef uint64_t v4q __attribute__((vector_size(32)));
+typedef int32_t v4j __attribute__((vector_size(16)));
+typedef uint32_t v8w __attribute__((vector_size(32)));
+
+inline v4i mul_low(v4i a, v4i b) {  // the products of the low 32 bits (unsigned) of each lane
+#ifdef __AVX2__
+  return (v4i)_mm256_mul_epu32((__m256i)a, (__m256i)b);
+#else
+  return (a & 0xFFFFFFFF) * (b & 0xFFFFFFFF);
+#endif
+}
+// Per-lane shifts of 32-bit lanes by 0..24 (one instruction on AVX2).
+inline v8i shift_left(v8i v, v8i s) {
+#ifdef __AVX2__
+  return (v8i)_mm256_sllv_epi32((__m256i)v, (__m256i)s);
+#else
+  return (v8i)((v8w)v << (v8w)s);
+#endif
+}
+inline v8i shift_right(v8i v, v8i s) {
+#ifdef __AVX2__
+  return (v8i)_mm256_srlv_epi32((__m256i)v, (__m256i)s);
+#else
+  return (v8i)((v8w)v >> (v8w)s);
+#endif
+}
+inline bool any_lane(v8i mask) {
+#ifdef __AVX__
+  return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#else
+  int32_t r = 0;
+  for (int l = 0; l < 8; ++l) r |= mask[l];
+  return r != 0;
+#endif
+}
+
+class ColumnSums {
+ public:
+  static constexpr int kW = 24, kHead = 2;
+  static constexpr int64_t kFlush = int64_t(1) << 15, kRows = 64;
+
+  ColumnSums(int64_t g, const Format& f, ExactPart* ex)
+      : g_(g), flush_below_(f.emin + 127), base_(f.base()), ex_(ex),
+        e_(static_cast<size_t>(g), flush_below_ - 1), t_(static_cast<size_t>(4 * g), 0) {}
+
+  // Rows [0, rows) of the block (row k at block + k * width, the columns at offsets [0, g)).
+  void add(const float* block, int64_t rows, int64_t width) {
+    const int64_t gv = g_ / 8 * 8;
+    for (int64_t k0 = 0; k0 < rows; k0 += kRows) {
+      const int64_t k1 = std::min(rows, k0 + kRows);
+      if (since_ + (k1 - k0) > kFlush) spill_all();
+      since_ += k1 - k0;
+      for (int64_t j = 0; j < gv; j += 8) vector_rows(block, k0, k1, width, j);
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t c = gv; c < g_; ++c) odd(c, block[k * width + c]);
+    }
+  }
+
+  // Inputs of column c one by one (the tail of a row slice read as eight columns).
+  void add_one(int64_t c, float v) {
+    if (++since_ > kFlush) spill_all();
+    odd(c, v);
+  }
+
+  // Every sum spilled into ex: the exact sums of all inputs added.
+  void finish() {
+    spill_all();
+    for (int64_t c = 0; c < g_; ++c) {
+      trim(ex_[c].pos);
+      trim(ex_[c].neg);
+      trim(ex_[c].sq);
+    }
+  }
+
+ private:
+  int64_t* t(int i, int64_t c) { return &t_[static_cast<size_t>(i * g_ + c)]; }
+
+  struct Lanes {  // t1..t4 of eight columns: [i][0] columns 0, 2, 4, 6, [i][1] 1, 3, 5, 7
+    v4i t[4][2];
+  };
+
+  // Rows [k, k1) of eight columns (p: their first, row k), k1 - k < 128, while no input is
+  // odd (see the class comment): the sums updated, and the first odd row (k1 if none).  In
+  // 32-bit lanes: the tests, a = y >> 24 = m >> (24 - s) and b = (m << s) mod 2**24, and
+  // sum +-a, sum +-b (below 2**31 for 127 rows; widened into t1 = 2**24 sum +-a + sum +-b
+  // at the end); the products a a, a b, b b (< 2**48) in 64-bit lanes, of the even and of
+  // the odd columns (mul_low multiplies the low halves of 64-bit lanes).  No call and no
+  // member access inside, so that everything stays in registers.
+  __attribute__((noinline)) static int64_t run(const float* p, int64_t width, int64_t k,
+                                               int64_t k1, v8i E, int flush_below, Lanes& out) {
+    Lanes acc = out;
+    const v8i low = E - kW, flush = v8i{} + flush_below;
+    v8i sa = {}, sb = {};
+    for (; k < k1; ++k, p += width) {
+      v8i x;
+      std::memcpy(&x, p, sizeof(x));
+      const v8i e = (v8i)(((v8w)x >> 23) & 0xFF);
+      const v8i live = e >= flush;
+      if (any_lane((e > E) | (live & (e < low)))) break;  // NaN/Inf have e = 255 > E
+      const v8i s = live & (e - low);                      // 0 <= s <= W
+      const v8i m = live & ((x & 0x7FFFFF) | 0x800000);    // 0 for inputs that count as 0
+      const v8i a = shift_right(m, kW - s), b = shift_left(m, s) & 0xFFFFFF;
+      const v8i sign = x >> 31;  // -1 or 0
+      sa += (a ^ sign) - sign;
+      sb += (b ^ sign) - sign;
+      const v4i ae = (v4i)a, be = (v4i)b;
+      const v4i ao = (v4i)((v4q)a >> 32), bo = (v4i)((v4q)b >> 32);
+      acc.t[1][0] += mul_low(ae, ae);
+      acc.t[2][0] += mul_low(ae, be);
+      acc.t[3][0] += mul_low(be, be);
+      acc.t[1][1] += mul_low(ao, ao);
+      acc.t[2][1] += mul_low(ao, bo);
+      acc.t[3][1] += mul_low(bo, bo);
+    }
+    for (int l = 0; l < 8; ++l)
+      acc.t[0][l & 1][l >> 1] += static_cast<int64_t>(sa[l]) * (int64_t(1) << 24) + sb[l];
+    out = acc;
+    return k;
+  }
+
+  void vector_rows(const float* block, int64_t k0, int64_t k1, int64_t width, int64_t j) {
+    Lanes a;
+    v8i E;
+    auto get = [&] {
+      std::memcpy(&E, &e_[static_cast<size_t>(j)], sizeof(E));
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 8; ++l) a.t[i][l & 1][l >> 1] = *t(i, j + l);
+    };
+    auto put = [&] {
+      for (int i = 0; i < 4; ++i)
+        for (int l = 0; l < 8; ++l) *t(i, j + l) = a.t[i][l & 1][l >> 1];
+    };
+    get();
+    for (int64_t k = k0; k < k1; ++k) {
+      k = run(block + k * width + j, width, k, k1, E, flush_below_, a);
+      if (k == k1) break;
+      put();
+      for (int l = 0; l < 8; ++l) odd(j + l, block[k * width + j + l]);
+      get();
+    }
+    put();
+  }
+
+  // One input of column c, scalar (see the class comment).
+  void odd(int64_t c, float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    const int e = static_cast<int>((b >> 23) & 0xFF);
+    ExactPart& x = ex_[c];
+    if (e == 0xFF) {
+      if (b & 0x7FFFFF) {
+        ++x.nan;
+      } else {
+        ++((b >> 31) ? x.ninf : x.pinf);
+      }
+      return;
+    }
+    if (e < flush_below_) return;
+    int32_t& E = e_[static_cast<size_t>(c)];
+    if (e > E) {
+      spill(c);
+      E = std::min(0xFE, e + kHead);
+    }
+    const int64_t m = static_cast<int64_t>((b & 0x7FFFFF) | 0x800000);
+    const bool neg = (b >> 31) != 0;
+    if (e >= E - kW) {
+      const int64_t y = m << (e - E + kW);
+      *t(0, c) += neg ? -y : y;
+      const int64_t a = y >> 24, r = y & 0xFFFFFF;
+      *t(1, c) += a * a;
+      *t(2, c) += a * r;
+      *t(3, c) += r * r;
+      return;
+    }
+    if (deep_.empty()) deep_.assign(static_cast<size_t>(512 * g_), 0);
+    int64_t* bin = &deep_[static_cast<size_t>((c * 256 + e) * 2)];
+    bin[0] += neg ? -m : m;
+    bin[1] += m * m;
+  }
+
+  // The window sums of column c into its exact sums, at the bit positions of E (y in
+  // units 2**(E - W - 150) = 2**(base + at), at >= 0 since E >= 2**emin's field - 1), and
+  // its deep bins at theirs.
+  void spill(int64_t c) {
+    ExactPart& x = ex_[c];
+    const int64_t at = e_[static_cast<size_t>(c)] - kW - 150 - base_;
+    const int64_t s1 = *t(0, c);
+    if (s1 != 0) add_shifted(s1 < 0 ? x.neg : x.pos, magnitude(s1), at);
+    add_shifted(x.sq, static_cast<uint64_t>(*t(1, c)), 2 * at + 48);
+    add_shifted(x.sq, static_cast<uint64_t>(*t(2, c)), 2 * at + 25);
+    add_shifted(x.sq, static_cast<uint64_t>(*t(3, c)), 2 * at);
+    for (int i = 0; i < 4; ++i) *t(i, c) = 0;
+    if (deep_.empty()) return;
+    for (int e = flush_below_; e < 0xFF; ++e) {
+      int64_t* bin = &deep_[static_cast<size_t>((c * 256 + e) * 2)];
+      const int64_t shift = e - 150 - base_;
+      if (bin[0] != 0) add_shifted(bin[0] < 0 ? x.neg : x.pos, magnitude(bin[0]), shift);
+      if (bin[1] != 0) add_shifted(x.sq, static_cast<uint64_t>(bin[1]), 2 * shift);
+      bin[0] = bin[1] = 0;
+    }
+  }
+  void spill_all() {
+    for (int64_t c = 0; c < g_; ++c) spill(c);
+    since_ = 0;
+  }
+  static unsigned __int128 magnitude(int64_t v) {
+    return v < 0 ? static_cast<unsigned __int128>(-static_cast<__int128>(v))
+                 : static_cast<unsigned __int128>(v);
+  }
+
+  int64_t g_, since_ = 0;  // columns; rows added since the last spill
+  int flush_below_, base_;
+  ExactPart* ex_;
+  std::vector<int32_t> e_;     // E per column
+  std::vector<int64_t> t_;     // t1..t4 per column: [4][g]
+  std::vector<int64_t> deep_;  // [g][256][2]: sum +-m and sum m**2 per field, below windows
+};
+
+inline ExactPart merged(const ExactPart& a, const ExactPart& b) {  // the sums of both
+  ExactPart r;
+  r.pos = add(a.pos, b.pos);
+  r.neg = add(a.neg, b.neg);
+  r.sq = add(a.sq, b.sq);
+  r.nan = a.nan + b.nan;
+  r.pinf = a.pinf + b.pinf;
+  r.ninf = a.ninf + b.ninf;
+  return r;
+}
+
+// Rows (width 1) at least this long are read as eight columns (ColumnSums), shorter ones
+// through BinSums.
+constexpr int64_t kRowVectors = 256;
+
+// x [outer, n, inner, parts] -> out [outer, inner, size] int32: the state of every slice.
+// Work items are blocks of slices: groups of 16 to 64 columns of one block o (at least a
+// cache line of each row, and about four items per thread, so that a thread the machine
+// runs late leaves its share to the others), or, for rows (width 1), runs of consecutive
+// rows (float rows of kRowVectors or more read as eight columns, else binned by `BinSums`,
+// one set per thread).  float64 columns are binned one at a time through a stride.
+template <typename T>
+void state(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, const Format& f,
+           const StateLayout& s, int32_t* out, int threads) {
+  const int64_t width = inner * parts, slices = outer * inner;
+  if (slices == 0) return;
+  int T_ = std::max(1, threads);
+  if (slices * parts * n < kThreadMin) T_ = 1;
+  int64_t per, groups;  // slices per item; items per block o
+  if (width == 1) {
+    per = std::max<int64_t>(1, outer / (8 * T_));
+    groups = 1;
+  } else {
+    const int64_t lo = std::max<int64_t>(1, 16 / parts), hi = 64 / parts;
+    per = std::min(hi, std::max(lo, (inner + 4 * T_ - 1) / (4 * T_)));
+    groups = (inner + per - 1) / per;
+  }
+  const int64_t items = width == 1 ? (outer + per - 1) / per : outer * groups;
+  std::vector<BinSums<T>> bins(static_cast<size_t>(T_), BinSums<T>(f));
+  run_chunks(T_ - 1, items, [&](int64_t item, int slot) {
+    if (width == 1) {
+      const int64_t o1 = std::min(outer, (item + 1) * per);
+      for (int64_t o = item * per; o < o1; ++o) {
+        ExactPart ex;
+        if constexpr (std::is_same<T, float>::value) {
+          if (n >= kRowVectors) {  // the slice as eight columns [n / 8, 8], then its tail
+            const T* row = x + o * n;
+            ExactPart lanes[8];
+            ColumnSums sums(8, f, lanes);
+            sums.add(row, n / 8, 8);
+            for (int64_t k = n / 8 * 8; k < n; ++k) sums.add_one(k % 8, row[k]);
+            sums.finish();
+            for (const ExactPart& l : lanes) ex = merged(ex, l);
+            write_state(&ex, n, s, out + o * s.size());
+            continue;
+          }
+        }
+        bins[slot].add(x + o * n, n, 1);
+        ex = bins[slot].finish(f);
+        write_state(&ex, n, s, out + o * s.size());
+      }
+      return;
+    }
+    const int64_t o = item / groups, i0 = (item % groups) * per;
+    const int64_t i1 = std::min(inner, i0 + per);
+    const T* block = x + o * n * width;
+    std::vector<ExactPart> ex(static_cast<size_t>((i1 - i0) * parts));
+    if constexpr (std::is_same<T, float>::value) {
+      ColumnSums sums((i1 - i0) * parts, f, ex.data());
+      sums.add(block + i0 * parts, n, width);
+      sums.finish();
+    } else {
+      for (int64_t c = i0 * parts; c < i1 * parts; ++c) {
+        bins[slot].add(block + c, n, width);
+        ex[static_cast<size_t>(c - i0 * parts)] = bins[slot].finish(f);
+      }
+    }
+    for (int64_t i = i0; i < i1; ++i)
+      write_state(ex.data() + (i - i0) * parts, n, s, out + (o * inner + i) * s.size());
+  });
 }
 
 // ------------------------------------------------------------------ mean_lo (section 9)

@@ -32,6 +32,7 @@ _state = {
     "centre": None,
     "scale_shift": None,
     "blend": None,
+    "state": None,
 }
 
 
@@ -133,6 +134,7 @@ def op():
                 _state["centre"] = lib.stable_centre
                 _state["scale_shift"] = lib.stable_scale_shift
                 _state["blend"] = lib.stable_blend
+                _state["state"] = lib.stable_state
         return _state["op"]
 
 
@@ -152,8 +154,8 @@ def centre_op():
 
 
 def formula_op(name, x):
-    """The StableScaleShift ("scale_shift") or StableBlend ("blend") op function where it
-    may compute on x (`serves`: the CPU, outside XLA), else None."""
+    """The StableScaleShift ("scale_shift"), StableBlend ("blend") or StableState ("state")
+    op function where it may compute on x (`serves`: the CPU, outside XLA), else None."""
     return _state[name] if serves(x) else None
 
 

@@ -346,6 +346,103 @@ REGISTER_KERNEL_BUILDER(
     Name("StableCentre").Device(DEVICE_CPU).TypeConstraint<double>("T"),
     StableCentreOp<double>);
 
+// "StableState": the mergeable moments state of every slice (docs section 13; moments.h
+// `state`), x read over the range [axis_begin, axis_end) as StableMoments reads it ->
+// values [kept dims..., size] int32, size = 3 + parts (l1 + 9) + l2 (`_state.Layout`).
+REGISTER_OP("StableState")
+    .Input("x: T")
+    .Output("values: int32")
+    .Attr("T: {float, double}")
+    .Attr("precision: int")
+    .Attr("emin: int")
+    .Attr("emax: int")
+    .Attr("parts: int = 1")
+    .Attr("axis_begin: int = 1")
+    .Attr("axis_end: int = 2")
+    .Attr("l1: int")
+    .Attr("l2: int")
+    .SetShapeFn([](InferenceContext* c) {
+      int parts, begin, end, l1, l2;
+      TF_RETURN_IF_ERROR(c->GetAttr("parts", &parts));
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_begin", &begin));
+      TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
+      TF_RETURN_IF_ERROR(c->GetAttr("l1", &l1));
+      TF_RETURN_IF_ERROR(c->GetAttr("l2", &l2));
+      ShapeHandle x = c->input(0);
+      if (!c->RankKnown(x)) {
+        c->set_output(0, c->UnknownShape());
+        return Status();
+      }
+      const int rank = c->Rank(x), data = rank - (parts == 2 ? 1 : 0);
+      if (begin < 0 || begin > end || end > data) {
+        return tensorflow::errors::InvalidArgument("StableState: reduced axes [", begin, ", ",
+                                                   end, ") do not fit rank ", rank);
+      }
+      std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+      for (int d = 0; d < data; ++d) {
+        if (d < begin || d >= end) dims.push_back(c->Dim(x, d));
+      }
+      dims.push_back(c->MakeDim(3 + parts * (l1 + 9) + l2));
+      c->set_output(0, c->MakeShape(dims));
+      return Status();
+    });
+
+template <typename T>
+class StableStateOp : public OpKernel {
+ public:
+  explicit StableStateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("precision", &format_.precision));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emin", &format_.emin));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emax", &format_.emax));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &layout_.parts));
+    OP_REQUIRES(ctx, layout_.parts == 1 || layout_.parts == 2,
+                tensorflow::errors::InvalidArgument("StableState: parts must be 1 or 2"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_begin", &begin_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("axis_end", &end_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l1", &layout_.l1));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l2", &layout_.l2));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const int parts = layout_.parts;
+    const int rank = x.dims(), data = rank - (parts == 2 ? 1 : 0);
+    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
+                tensorflow::errors::InvalidArgument("StableState: reduced axes [", begin_,
+                                                    ", ", end_, ") do not fit rank ", rank));
+    OP_REQUIRES(ctx, parts == 1 || x.dim_size(data) == 2,
+                tensorflow::errors::InvalidArgument("StableState: parts 2 needs a last "
+                                                    "dimension 2"));
+    int64_t outer = 1, n = 1, inner = 1;
+    TensorShape shape;
+    for (int d = 0; d < data; ++d) {
+      const int64_t size = x.dim_size(d);
+      (d < begin_ ? outer : d < end_ ? n : inner) *= size;
+      if (d < begin_ || d >= end_) shape.AddDim(size);
+    }
+    OP_REQUIRES(ctx, n < (int64_t(1) << 46),
+                tensorflow::errors::InvalidArgument(
+                    "moments_state: a slice of ", n, " elements exceeds the 2**46 limit"));
+    shape.AddDim(layout_.size());
+    Tensor* values = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &values));
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    stable_moments::state<T>(x.flat<T>().data(), outer, n, inner, parts, format_, layout_,
+                             values->flat<int32_t>().data(), workers ? workers->num_threads : 1);
+  }
+
+ private:
+  stable_moments::Format format_;
+  stable_moments::StateLayout layout_{0, 0, 1};
+  int begin_ = 1, end_ = 2;
+};
+
+REGISTER_KERNEL_BUILDER(Name("StableState").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        StableStateOp<float>);
+REGISTER_KERNEL_BUILDER(Name("StableState").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+                        StableStateOp<double>);
+
+
 // "StableStallCheck": the stall test of tf_stable_moments/_advice.py `check` in a graph,
 // as one op instead of a tf.cond around a tf.py_function (whose branches cost a deep model
 // seconds of tracing).  Per channel: stalled when |mean - moving| * (1 - momentum) is
