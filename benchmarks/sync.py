@@ -8,7 +8,8 @@ and three layers with synchronized=True:
   * merge:  StableBatchNormalization (the certified merge of the replicas' fast sums,
             docs section 13b; exact states only for the slices it leaves open),
   * state:  StableBatchNormalization through its former path (each replica's exact
-            moments state, all-reduced; the private switch `_layer._sync_exact_states`),
+            moments state, all-reduced; the private switch
+            `tf_stable_moments._union._sync_exact_states`),
   * gather: StableBatchNormalization through its former path (all_gather of the batch,
             the kernel on the global batch; the private switch `_sync_all_gather`),
   * keras:  keras.layers.BatchNormalization (all-reduced float32 sums),
@@ -109,11 +110,11 @@ def run_one(replicas, layer_kind, rows, channels, steps):
         if layer_kind == "keras":
             layer = keras.layers.BatchNormalization(synchronized=True, epsilon=1e-3)
         else:
-            from tf_stable_moments import _layer
+            from tf_stable_moments import _union
 
             layer = StableBatchNormalization(synchronized=True, epsilon=1e-3)
             layer._sync_all_gather = layer_kind == "gather"
-            _layer._sync_exact_states = layer_kind == "state"
+            _union._sync_exact_states = layer_kind == "state"
         layer.build((None, channels))
 
     rng = np.random.default_rng(0)

@@ -134,3 +134,96 @@ def test_moments_refuses_groups_without_an_axis_name():
 
     with pytest.raises(ValueError, match=r"axis_index_groups needs axis_name.*\[\[0, 1\]\]"):
         jax_kernel.moments(np.ones((4, 2), np.float32), 0, axis_index_groups=[[0, 1]])
+
+
+# ------------------------------------------------------------------ TensorFlow replicas
+def _tf_cases():
+    """{name: (x, cuts)}: the global batch and the rows of each of four replicas (one
+    traced function per dtype: tracing the merge for four replicas takes seconds)."""
+    rng = np.random.default_rng(29)
+    x = rng.normal(1e6, 1, (64, 8)).astype(np.float32)
+    x[5, 2], x[40, 4] = np.nan, np.inf  # one replica's NaN, another's inf
+    x[:32, 6:] = 1.0  # the union's mean a midpoint, no shard's
+    x[32:, 6:] = 1 + 2.0**-23
+    x[63, 7] = 1 + 2.0**-22  # the union's mean 2**-29 above the midpoint
+    wide = rng.normal(1e8, 1, (40, 3))  # float64: the exact states
+    z = (rng.normal(1e3, 1, (40, 3)) + 1j * rng.normal(0, 1, (40, 3))).astype(np.complex64)
+    return {
+        "float32": (x, np.array([0, 10, 10, 41, 64])),
+        "float64": (wide, np.array([0, 1, 20, 39, 40])),
+        "complex64": (z, np.array([0, 0, 13, 27, 40])),
+    }
+
+
+@pytest.fixture(scope="module")
+def tf_replicas(tmp_path_factory):
+    arrays = {}
+    for name, (x, cuts) in _tf_cases().items():
+        arrays[f"{name}_x"], arrays[f"{name}_cuts"] = x, cuts
+    rng = np.random.default_rng(30)
+    arrays["grad_x"] = rng.normal(100, 3, (40, 3)).astype(np.float32)
+    arrays["grad_cuts"] = np.array([0, 7, 20, 20, 40])
+    arrays["grad_coef"] = rng.normal(0, 1, (4, 2, 3)).astype(np.float32)
+    tmp = tmp_path_factory.mktemp("tf_replicas")
+    src, dst = tmp / "in.npz", tmp / "out.npz"
+    np.savez(src, **arrays)
+    script = Path(__file__).with_name("_moments_tf_mirrored.py")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(src), str(dst)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return arrays, dict(np.load(dst))
+
+
+@pytest.mark.parametrize("name", sorted(_tf_cases()))
+def test_tf_moments_synchronized_gives_every_replica_the_oracle_bits_of_the_union(
+    tf_replicas, name
+):
+    """moments(..., synchronized=True) in a MirroredStrategy of four replicas (uneven and
+    empty shards; NaN and inf in one replica's rows; a global tie and a near-tie; float64
+    and complex64 data, through the exact states): every replica's mean and variance are
+    the oracle's of the union, ddof 0 and 1."""
+    arrays, out = tf_replicas
+    x = arrays[f"{name}_x"]
+    for ddof in (0, 1):
+        mean, var = datasets.oracle(x, (0,), ddof)
+        for replica in range(4):
+            got_mean = out[f"{name}_ddof{ddof}_mean"][replica]
+            got_var = out[f"{name}_ddof{ddof}_var"][replica]
+            assert np.array_equal(bits(got_mean), bits(mean)), (ddof, replica, got_mean, mean)
+            assert np.array_equal(bits(got_var), bits(var)), (ddof, replica, got_var, var)
+    if name == "float32":
+        assert out["float32_ddof0_mean"][0][6] == np.float32(1.0)  # the tie, to even
+        assert out["float32_ddof0_mean"][0][7] == np.float32(1 + 2.0**-23)  # above it: up
+
+
+def test_tf_moments_synchronized_gradient_is_that_of_the_union(tf_replicas):
+    """The gradient of every replica's loss c_mean . mean + c_var . var (ddof 1) with
+    respect to its rows is that of the summed losses on one device holding the union:
+    (sum of c_mean) / N + 2 (x - mean) (sum of c_var) / (N - 1), to float32 rounding."""
+    arrays, out = tf_replicas
+    x, coef = arrays["grad_x"].astype(np.float64), arrays["grad_coef"].astype(np.float64)
+    c = coef.sum(0)
+    n = x.shape[0]
+    want = c[0] / n + 2 * (x - x.mean(0)) * c[1] / (n - 1)
+    np.testing.assert_allclose(out["grad"], want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_tf_moments_synchronized_outside_replicas():
+    """With no strategy (one replica in sync) the local statistics, the same bits; in a
+    cross-replica context a clear error; synchronized must be a bool."""
+    import tensorflow as tf
+
+    import tf_stable_moments
+
+    x = np.random.default_rng(2).normal(1e4, 1, (33, 3)).astype(np.float32)
+    got = tf_stable_moments.moments(x, [0], synchronized=True)
+    want = tf_stable_moments.moments(x, [0])
+    for g, w in zip(got, want):
+        assert np.array_equal(bits(g.numpy()), bits(w.numpy()))
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope(), pytest.raises(ValueError, match=r"synchronized=True.*strategy\.run"):
+        tf_stable_moments.moments(x, [0], synchronized=True)
+    with pytest.raises(TypeError, match=r"synchronized must be a bool; got synchronized='yes'"):
+        tf_stable_moments.moments(x, [0], synchronized="yes")

@@ -19,7 +19,7 @@ from tf_stable_moments._swap import stabilize
 
 # name -> the private module that defines it (imported on first use: needs TensorFlow)
 _LAZY = {
-    "moments": "_moments",
+    "moments": "_union",
     "reduce_std": "_functions",
     "reduce_variance": "_functions",
     "weighted_moments": "_functions",

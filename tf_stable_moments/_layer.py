@@ -192,18 +192,14 @@ def _synchronized_centre(context, x, w, axes):
     """
     import tensorflow as tf
 
-    def all_sum(v):
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, v)
+    from tf_stable_moments import _union
 
-    def all_gather(v):
-        return context.all_gather(v, axis=0)
-
-    replica = (context.replica_id_in_sync_group, context.num_replicas_in_sync)
+    all_sum, all_gather, replica = _union.collectives(context)
 
     @tf.custom_gradient
     def fn(x):
         def global_stats(v, lo, extra):
-            return _tf_global_stats(all_sum, v, axes, lo, extra, all_gather, replica)
+            return _union.global_stats(all_sum, v, axes, lo, extra, all_gather, replica)
 
         r, var, mean_hi, mean_lo, k = _global_centre(global_stats, tf.stop_gradient(x), w, axes)
 
@@ -226,139 +222,12 @@ def _synchronized_centre(context, x, w, axes):
     return fn(x)
 
 
-def _pack(digits):
-    """int32 digits [..., L] (canonical, each < 2**16) -> int64 [..., ceil(L / 2)] lanes.
-
-    Two digits per int64 (d_even + d_odd * 2**32).  A SUM of up to 2**15 packed
-    states keeps each 32-bit lane below 2**31, so no lane carries into the next
-    and the sum unpacks to the exact digit sums.  (int32 tensors live in host
-    memory in TF graphs, and tf.distribute does not batch them with device
-    tensors: int64 lanes carry the same bytes as int32 digits.)
-    """
-    import tensorflow as tf
-
-    size = digits.shape[-1]
-    wide = tf.cast(digits, tf.int64)
-    if size % 2:
-        wide = tf.concat([wide, tf.zeros_like(wide[..., :1])], -1)
-    return wide[..., 0::2] + tf.bitwise.left_shift(wide[..., 1::2], 32)
-
-
-def _unpack(lanes, size):
-    """The inverse of `_pack` on a sum of packed states: int32 digit sums [..., size]."""
-    import tensorflow as tf
-
-    low = tf.bitwise.bitwise_and(lanes, 0xFFFFFFFF)
-    high = tf.bitwise.right_shift(lanes, 32)
-    both = tf.reshape(tf.stack([low, high], -1), tf.concat([tf.shape(lanes)[:-1], [-1]], 0))
-    return tf.cast(both[..., :size], tf.int32)
-
-
-def _tf_global_stats(all_sum, v, axes, lo, extra=None, all_gather=None, replica=None):
-    """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
-
-    float32, float16 and bfloat16 with `all_gather` and `replica` (this replica's id and
-    the number in sync): the certified merge (docs section 13b, `_tf_merged_moments`).
-    Else one all-reduce of the packed states (with `extra`, a per-slice int32 count below
-    2**31, as one more lane of the same collective).  With lo, one more all-reduce of the
-    float64 fixed-point sums of mean_lo (moments_core/_kernel.py `mean_lo` with reduce=).
-    """
-    import tensorflow as tf
-
-    from moments_core import _kernel
-    from moments_core._formats import FORMATS
-    from tf_stable_moments import _moments, _ops
-    from tf_stable_moments import _state as state_api
-
-    fmt = FORMATS[v.dtype.name]
-    summed_extra = None
-    if fmt.wide and all_gather is not None and not _sync_exact_states:
-        mean, var, n = _tf_merged_moments(all_sum, all_gather, replica, v, axes, fmt)
-        if extra is not None:
-            summed_extra = all_sum(tf.cast(extra, tf.int64))
-    else:
-        state = state_api.moments_state(v, axes)
-        size = state.values.shape[-1]
-        lanes = _pack(state.values)
-        if extra is not None:
-            lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
-        summed = all_sum(lanes)
-        total = state_api.MomentsState(_unpack(summed[..., : (size + 1) // 2], size), state.dtype)
-        mean, var = state_api.state_moments(total)
-        digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
-        n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
-        summed_extra = summed[..., -1] if extra is not None else None
-    mean_lo = None
-    if lo:
-        laid, axis = _moments._layout(v, axes)
-        m64 = tf.cast(tf.reshape(mean, [-1]), tf.float64)
-        v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
-        mean_lo = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
-        mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
-    return mean, mean_lo, var, n, summed_extra
-
-
-# Benchmarks only (benchmarks/sync.py): True sends the TF synchronized layer through the
-# exact states of every slice, the path before the certified merge.
-_sync_exact_states = False
-
-
-def _tf_merged_moments(all_sum, all_gather, replica, v, axes, fmt):
-    """(mean, var, n) of the global batch of v by the certified merge (docs section 13b)
-    in a replica context: the shift of the first replica with rows (an all-reduce of
-    one-hot flags finds it, one in which it alone contributes sends it), one all-reduce
-    of the fast sums and bounds, an all-gather of the smallest magnitudes (tf.distribute
-    reduces by SUM and MEAN only).  tf.distribute allows no collective inside tf.cond,
-    so the second round always runs, on the slices left open alone (a dynamic number,
-    the same on every replica: an all-reduce of the open flags; none on decided data):
-    their exact states, all-reduced."""
-    import tensorflow as tf
-
-    from moments_core import _kernel
-    from tf_stable_moments import _moments, _ops
-    from tf_stable_moments import _state as state_api
-
-    rid, replicas = replica
-    laid, axis = _moments._layout(v, axes)
-    size = tf.shape(laid, out_type=tf.int64)[axis]
-    kept = tf.shape(laid)[1 - axis]
-
-    def shift(k, has):
-        flags = all_sum(tf.one_hot(rid, replicas, dtype=tf.float64) * tf.cast(size > 0, tf.float64))
-        leader = tf.argmax(tf.cast(flags > 0, tf.int32), output_type=tf.int32)
-        # K is an input of a format of precision <= 24: sent as float32 (4 bytes a slice).
-        k32 = tf.cast(tf.where(tf.equal(leader, rid), k, tf.zeros_like(k)), tf.float32)
-        return tf.cast(all_sum(k32), tf.float64)
-
-    def minimum(a):  # magnitudes of inputs (or inf): float32 values, gathered as such
-        gathered = tf.cast(all_gather(tf.cast(a, tf.float32)), tf.float64)
-        return tf.reduce_min(gathered, 0, keepdims=True)
-
-    n_local = tf.fill([kept], size)
-    m64, v64, todo, n = _kernel.merge_fast(
-        _ops.PLAIN, laid, axis, fmt, shift, all_sum, minimum, replicas, n_local
-    )
-    # The second round: the open slices of any replica (all replicas alike).
-    opened = tf.where(all_sum(tf.cast(todo, tf.float64)) > 0)[:, 0]
-    part = tf.gather(laid, opened, axis=1 - axis)
-    state = state_api.moments_state(part, [axis])
-    width = state.values.shape[-1]
-    summed = all_sum(_pack(state.values))
-    exact = state_api.MomentsState(_unpack(summed, width), state.dtype)
-    em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact))
-    where = tf.expand_dims(opened, 1)
-    m64 = tf.tensor_scatter_nd_update(m64, where, em)
-    v64 = tf.tensor_scatter_nd_update(v64, where, ev)
-    shape = tf.gather(tf.shape(v), [a for a in range(v.shape.rank) if a not in axes])
-    mean, var = (tf.reshape(tf.cast(t, v.dtype), shape) for t in (m64, v64))
-    return mean, var, tf.reshape(n, [-1])[0]
-
-
 def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
-    """`_tf_global_stats` on the JAX backend, inside `jax.shard_map` over `axis_name`: the
-    certified merge of every device's fast sums (`jax_kernel._union.union_moments`, pure
-    XLA: no FFI call; exact states for the slices it leaves open), `extra` (a per-slice
-    count) psum-ed, and with lo one psum of the float64 fixed-point sums of mean_lo."""
+    """`tf_stable_moments._union.global_stats` on the JAX backend, inside `jax.shard_map`
+    over `axis_name`: the certified merge of every device's fast sums
+    (`jax_kernel._union.union_moments`, pure XLA: no FFI call; exact states for the slices
+    it leaves open), `extra` (a per-slice count) psum-ed, and with lo one psum of the
+    float64 fixed-point sums of mean_lo."""
     import jax
     import numpy as np
 
@@ -467,7 +336,7 @@ def _global_centre(global_stats, x, w, axes):
     batch (the masked formulas of the module docstring, n and k global).
 
     global_stats(v, lo, extra) -> (mean, mean_lo or None, var, n, extra summed): the
-    statistics of the global batch of v, from the all-reduced states (`_tf_global_stats`,
+    statistics of the global batch of v, from the all-reduced states (`_union.global_stats`,
     `_jax_global_stats`).  Written in keras ops: the same formulas on both backends.
     """
     if w is None:

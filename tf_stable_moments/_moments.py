@@ -642,59 +642,8 @@ def _keepdims(keepdims, keep_dims):
 
 
 def moments(x, axes, shift=None, keepdims=None, name=None, *, ddof=0, keep_dims=None):
-    """Mean and variance of `x` over `axes`, correctly rounded: a drop-in for tf.nn.moments.
-
-    The variance is sum((x - mean)**2) / (n - ddof) over the n reduced
-    elements and the mean sum(x) / n, each the exact value for the input floats
-    rounded once to the target format (nearest, ties to even), certified per
-    slice (docs/algorithm.md), in eager mode, in tf.function and under XLA, with
-    the same bits in every mode and as ``jax_kernel.moments``.
-
-    Numerical choices (docs/algorithm.md, sections 4-7):
-      * shift by the slice's first element K; S1 = sum(x - K) and
-        S2 = sum((x - K)**2) in float64 (float64 pairs for float64 input), in
-        any order, with an error bound that holds for every order:
-        |error of a sum of n terms| <= gamma_(n-1) * sum|t_i|;
-      * mean ~ K + S1/n, var ~ (S2 - S1**2/n) / (n - ddof), each with a bound;
-      * rounding test (Ziv): if [v - err, v + err] holds no rounding midpoint,
-        the nearest float to v is the correctly rounded result;
-      * otherwise (ties, near-ties, NaN/Inf) the exact path: integer sums of the
-        inputs' significands, N = n*S2 - S1**2 in integers, one rounding.
-
-    Args:
-      x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
-        complex128.  float16/bfloat16 results are correctly rounded to their own
-        format.  Complex inputs give the complex mean (each part rounded once)
-        and the real variance E|z - mean z|**2, rounded once (no gradient).
-      axes: int or sequence of ints: the axes to reduce.
-      shift: accepted for compatibility with tf.nn.moments and ignored, as in
-        tf.nn.moments: the kernel chooses its own shift (the first element of
-        each slice), and its result does not depend on any shift.
-      keepdims: keep reduced axes with length 1 (None: False).
-      name: name scope of the operations.
-      ddof: delta degrees of freedom (keyword only): divide by n - ddof.
-      keep_dims: deprecated alias of keepdims (keyword only), as
-        tf.compat.v1.nn.moments takes it: a DeprecationWarning; both given is an error.
-
-    Returns:
-      (mean, variance), Tensors of the dtype of x (variance real for complex x).
-      NaN or Inf in a slice makes that slice's variance NaN and its mean follow
-      IEEE rules (Inf, or NaN if mixed or NaN); other slices are unaffected.
-      An empty slice, or n - ddof <= 0, gives NaN.
-
-    Gradients are analytic: d mean/dx = 1/n, d var/dx = 2 (x - mean)/(n - ddof)
-    with x - mean from the kernel's exact two-part mean; second order works.
-
-    References:
-      Chan, Golub, LeVeque (1983), shifted data; Higham (2002), sum bounds;
-      Ziv (1991), the rounding test; Ogita, Rump, Oishi (2005), TwoSum;
-      Neal (2015), exact summation; docs/algorithm.md.
-
-    >>> import tensorflow as tf
-    >>> mean, var = moments(tf.constant([1e10, 1e10, 1e10]), axes=[0])
-    >>> float(var)
-    0.0
-    """
+    """One replica's (one device's) moments: the public `moments` without `synchronized`
+    (tf_stable_moments/_union.py `moments`, whose docstring is the contract)."""
     del shift  # documented: ignored, as in tf.nn.moments
     keepdims = _keepdims(keepdims, keep_dims)
     if tf.executing_eagerly():  # one op call where nothing needs the gradient
