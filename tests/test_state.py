@@ -317,6 +317,42 @@ def test_bad_input_raises_clear_errors():
         a.values = None
 
 
+@pytest.mark.parametrize(
+    "dtype", DTYPES, ids=lambda d: np.dtype(getattr(d, "as_numpy_dtype", d)).name
+)
+def test_native_state_moments_has_the_bits_of_the_plain_finish(dtype):
+    """state_moments through the native op (StableStateMoments: the CPU, outside XLA) and
+    through plain TensorFlow operations (under `portable`) give the same bits, on a state
+    and on an uncarried digit sum of states: slices on an offset, with NaN or infinities,
+    of one element (n - ddof <= 0 for ddof 1 and 5), tiny, empty; a negative digit (no
+    sum of states) is refused."""
+    dtype = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+    rng = np.random.default_rng(8)
+    x = rng.normal(0, 1, (40, 6)) * np.array([1, 1, 1e20, 1, 1e-30, 1])
+    x[:, 1] += 1e6
+    x[3, 3], x[5, 5], x[6, 5] = np.nan, np.inf, -np.inf
+    if dtype.kind == "c":
+        x = x + 1j * rng.normal(0, 1, x.shape)
+    with np.errstate(all="ignore"):
+        x = x.astype(dtype)
+    graph = tf.function(lambda v: state_moments(MomentsState(v, x.dtype))[0])
+    ops = graph.get_concrete_function(moments_state(x, axes=0).values).graph.get_operations()
+    assert "StableStateMoments" in {op.type for op in ops}
+    for data in (x, x[:1], x[:0]):
+        state = moments_state(tf.constant(data), axes=0)
+        doubled = MomentsState(state.values * 2, state.dtype)  # the sum of two states
+        for s in (state, doubled):
+            for ddof in (0, 1, 5):
+                native = state_moments(s, ddof=ddof)
+                with tf_stable_moments.portable():
+                    plain = state_moments(s, ddof=ddof)
+                for got, want in zip(native, plain):
+                    np.testing.assert_array_equal(bits(got.numpy()), bits(want.numpy()))
+    bad = MomentsState(tf.fill(state.values.shape, -1), state.dtype)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"slice 0 is not a state"):
+        state_moments(bad)
+
+
 # ------------------------------------------------------------------ streaming
 def _stream_data():
     rng = np.random.default_rng(14)

@@ -317,11 +317,34 @@ def state_moments(state, ddof=0, name=None):
     ddof = check_ddof(ddof, "state_moments")
     with tf.name_scope(name or "state_moments"):
         layout = _layout(state.dtype)
+        op = None if in_xla_context() else _native.formula_op("state_moments", state.values)
+        if op is not None:  # the native op (the CPU, outside XLA): the same bits
+            return _native_state_moments(op, state, layout, ddof)
         fn = _finish(layout, state.dtype)
         flat = tf.reshape(state.values, [-1, layout.size])
         mean, var = _run(("finish", state.dtype), fn, [flat, tf.constant(ddof, tf.int64)])
         shape = tf.shape(state.values)[:-1]
         return tf.reshape(mean, shape), tf.reshape(var, shape)
+
+
+def _native_state_moments(op, state, layout, ddof):
+    work = _moments._compute_dtype(state.dtype)
+    fmt = layout.fmt
+    carrier = tf.float64 if work == tf.float64 else tf.float32
+    mean, var = op(
+        state.values,
+        T=carrier,
+        ddof=ddof,
+        precision=fmt.precision,
+        emin=fmt.emin,
+        emax=fmt.emax,
+        parts=layout.parts,
+        l1=layout.l1,
+        l2=layout.l2,
+    )
+    means = [tf.cast(mean[..., j], work) for j in range(layout.parts)]
+    mean = means[0] if len(means) == 1 else tf.complex(means[0], means[1])
+    return mean, tf.cast(var, work)
 
 
 def _wide_mean(state):

@@ -1476,6 +1476,66 @@ void state(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, const
   });
 }
 
+// The mean (per part) and variance of slices from their states: values [slices, size]
+// int32, canonical states or digit sums of up to 2**15 of them (every digit in
+// [0, 2**31)).  Each field is read as its value modulo 2**(16 length), what `_state.carry`
+// makes of it (S1 in two's complement), and rounded as the exact path rounds
+// (`exact_result`, with the special values of `_state.values`): the bits of
+// `state_moments`.  false (nothing written for the slice) if a digit is negative or
+// n S2 < sum S1**2 (not a sum of states).
+inline Big field_value(const int32_t* d, int len) {
+  Big r;
+  for (int i = 0; i < len; ++i) add_shifted(r, static_cast<uint32_t>(d[i]), 16 * i);
+  const size_t bits = static_cast<size_t>(16 * len), limbs = (bits + 63) / 64;
+  if (r.size() > limbs) r.resize(limbs);
+  if (bits % 64 && r.size() == limbs) r[limbs - 1] &= (uint64_t(1) << (bits % 64)) - 1;
+  trim(r);
+  return r;
+}
+
+inline uint64_t count_value(const int32_t* d) {  // a 3-digit field modulo 2**48
+  const Big v = field_value(d, 3);
+  return v.empty() ? 0 : v[0];
+}
+
+template <typename T>
+bool state_result(const int32_t* d, const StateLayout& s, int64_t ddof, const Format& f,
+                  T* means, T& var) {
+  for (int64_t i = 0; i < s.size(); ++i)
+    if (d[i] < 0) return false;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const uint64_t n = count_value(d);
+  const int32_t* at = d + 3;
+  bool special = false;
+  Big squares;  // sum over the parts of S1**2
+  for (int j = 0; j < s.parts; ++j, at += s.l1 + 9) {
+    Big v = field_value(at, s.l1);
+    const int64_t top = 16 * int64_t(s.l1) - 1;  // the sign bit of the field
+    const bool negative = static_cast<int64_t>(v.size()) > top / 64 && bit(v, top);
+    if (negative) v = sub(shl(Big{1}, 16 * s.l1), v);
+    const uint64_t nans = count_value(at + s.l1), pinf = count_value(at + s.l1 + 3),
+                   ninf = count_value(at + s.l1 + 6);
+    double mean = n == 0 ? nan : round_ratio(v, negative, f.base(), n, 1, f);
+    if (nans || (pinf && ninf)) {
+      mean = nan;
+    } else if (pinf || ninf) {
+      mean = pinf ? inf : -inf;
+    }
+    means[j] = static_cast<T>(mean);
+    special = special || nans || pinf || ninf;
+    squares = add(squares, mul(v, v));
+  }
+  const Big ns = mul(field_value(at, s.l2), Big{n});
+  if (cmp(ns, squares) < 0) return false;
+  const int64_t dof = static_cast<int64_t>(n) - ddof;
+  var = static_cast<T>(special || n == 0 || dof <= 0
+                           ? nan
+                           : round_ratio(sub(ns, squares), false, 2 * int64_t(f.base()), n,
+                                         static_cast<uint64_t>(dof), f));
+  return true;
+}
+
 // ------------------------------------------------------------------ mean_lo (section 9)
 // mean(x) - mean_hi to the format, from a fixed-point sum: the operations of
 // moments_core/_kernel.py `mean_lo` (no mask, no padding), one for one.  Every float64

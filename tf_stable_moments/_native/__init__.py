@@ -33,6 +33,7 @@ _state = {
     "scale_shift": None,
     "blend": None,
     "state": None,
+    "state_moments": None,
 }
 
 
@@ -135,6 +136,7 @@ def op():
                 _state["scale_shift"] = lib.stable_scale_shift
                 _state["blend"] = lib.stable_blend
                 _state["state"] = lib.stable_state
+                _state["state_moments"] = lib.stable_state_moments
         return _state["op"]
 
 
@@ -154,8 +156,9 @@ def centre_op():
 
 
 def formula_op(name, x):
-    """The StableScaleShift ("scale_shift"), StableBlend ("blend") or StableState ("state")
-    op function where it may compute on x (`serves`: the CPU, outside XLA), else None."""
+    """The StableScaleShift ("scale_shift"), StableBlend ("blend"), StableState ("state") or
+    StableStateMoments ("state_moments") op function where it may compute on x (`serves`:
+    the CPU, outside XLA), else None."""
     return _state[name] if serves(x) else None
 
 

@@ -442,6 +442,96 @@ REGISTER_KERNEL_BUILDER(Name("StableState").Device(DEVICE_CPU).TypeConstraint<fl
 REGISTER_KERNEL_BUILDER(Name("StableState").Device(DEVICE_CPU).TypeConstraint<double>("T"),
                         StableStateOp<double>);
 
+// "StableStateMoments": (mean, variance) from moments states (docs section 13; moments.h
+// `state_result`): values [..., size] int32 (canonical states or digit sums of up to 2**15
+// of them) -> mean [..., parts], variance [...] of T, values of the format (precision, emin,
+// emax), the bits of `state_moments`.
+REGISTER_OP("StableStateMoments")
+    .Input("values: int32")
+    .Output("mean: T")
+    .Output("variance: T")
+    .Attr("T: {float, double}")
+    .Attr("ddof: int = 0")
+    .Attr("precision: int")
+    .Attr("emin: int")
+    .Attr("emax: int")
+    .Attr("parts: int = 1")
+    .Attr("l1: int")
+    .Attr("l2: int")
+    .SetShapeFn([](InferenceContext* c) {
+      int parts;
+      TF_RETURN_IF_ERROR(c->GetAttr("parts", &parts));
+      ShapeHandle v = c->input(0), kept;
+      if (!c->RankKnown(v)) {
+        c->set_output(0, c->UnknownShape());
+        c->set_output(1, c->UnknownShape());
+        return Status();
+      }
+      TF_RETURN_IF_ERROR(c->Subshape(v, 0, -1, &kept));
+      ShapeHandle mean;
+      TF_RETURN_IF_ERROR(c->Concatenate(kept, c->Vector(parts), &mean));
+      c->set_output(0, mean);
+      c->set_output(1, kept);
+      return Status();
+    });
+
+template <typename T>
+class StableStateMomentsOp : public OpKernel {
+ public:
+  explicit StableStateMomentsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ddof", &ddof_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("precision", &format_.precision));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emin", &format_.emin));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("emax", &format_.emax));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("parts", &layout_.parts));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l1", &layout_.l1));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("l2", &layout_.l2));
+    OP_REQUIRES(ctx, layout_.parts == 1 || layout_.parts == 2,
+                tensorflow::errors::InvalidArgument("StableStateMoments: parts must be 1 or 2"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& values = ctx->input(0);
+    const int rank = values.dims();
+    OP_REQUIRES(ctx, rank >= 1 && values.dim_size(rank - 1) == layout_.size(),
+                tensorflow::errors::InvalidArgument(
+                    "state_moments: a state has ", layout_.size(), " digits per slice; got ",
+                    "values of shape ", values.shape().DebugString()));
+    TensorShape kept;
+    for (int d = 0; d + 1 < rank; ++d) kept.AddDim(values.dim_size(d));
+    TensorShape mean_shape = kept;
+    mean_shape.AddDim(layout_.parts);
+    Tensor* mean = nullptr;
+    Tensor* var = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean_shape, &mean));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, kept, &var));
+    const int32_t* d = values.flat<int32_t>().data();
+    T* m = mean->flat<T>().data();
+    T* v = var->flat<T>().data();
+    const int64_t slices = kept.num_elements();
+    for (int64_t i = 0; i < slices; ++i) {
+      OP_REQUIRES(ctx,
+                  stable_moments::state_result<T>(d + i * layout_.size(), layout_, ddof_, format_,
+                                                  m + i * layout_.parts, v[i]),
+                  tensorflow::errors::InvalidArgument(
+                      "state_moments: slice ", i, " is not a state or a sum of states (a "
+                      "negative digit, or n S2 < S1**2)"));
+    }
+  }
+
+ private:
+  stable_moments::Format format_;
+  stable_moments::StateLayout layout_{0, 0, 1};
+  int64_t ddof_ = 0;
+};
+
+REGISTER_KERNEL_BUILDER(
+    Name("StableStateMoments").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+    StableStateMomentsOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("StableStateMoments").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+    StableStateMomentsOp<double>);
+
 
 // "StableStallCheck": the stall test of tf_stable_moments/_advice.py `check` in a graph,
 // as one op instead of a tf.cond around a tf.py_function (whose branches cost a deep model
