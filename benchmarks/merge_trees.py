@@ -101,13 +101,14 @@ def _depth(shape, devices):
 
 
 def _ring(values):
-    """A ring all-reduce of int32 digits [devices, ...]: reduce-scatter, then all-gather."""
+    """A ring all-reduce of [devices, ...] (int32 digits, or float64 sums: in the order of
+    the ring): reduce-scatter, then all-gather."""
     devices = values.shape[0]
     flat = values.reshape(devices, -1)
     chunks = np.array_split(np.arange(flat.shape[1]), devices)
-    total = np.empty(flat.shape[1], np.int32)
+    total = np.empty(flat.shape[1], values.dtype)
     for j, idx in enumerate(chunks):
-        acc = np.zeros(len(idx), np.int32)
+        acc = np.zeros(len(idx), values.dtype)
         for step in range(devices):  # chunk j starts at device j + 1 and goes round
             acc = acc + flat[(j + 1 + step) % devices, idx]
         total[idx] = acc
@@ -199,6 +200,112 @@ def run(devices=1000, rows=48, channels=4, seed=0, framework="jax", verbose=True
     return figures
 
 
+@functools.cache
+def _certified_fn(devices, given):
+    """The certified merge (docs section 13b, `moments_core._kernel.merge_fast`) of every
+    device's part x[d] (selected by where[d]), the devices simulated by `jax.vmap` over an
+    axis "i", compiled once: (x, where, total) -> (mean, var, todo) as every device
+    computed them, and the rows each device all-reduces (its s1, s2, d1, d2, |s1| and
+    count).  given: the all-reduce SUM returns `total` (the global rows as some tree
+    summed them) to every device; else it is a psum."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_kernel import _ops
+    from jax_kernel._union import _leader_sum
+    from moments_core import _kernel
+    from moments_core._formats import FORMATS
+
+    def device(xd, wd, total):
+        captured = []
+
+        def reduce(rows):  # the all-reduce SUM of the rows [6, channels]
+            captured.append(rows)
+            return total if given else jax.lax.psum(rows, "i")
+
+        def minimum(a):  # the MIN: exact in any order
+            return jax.lax.pmin(a, "i")
+
+        count = jnp.sum(wd, 0).astype(jnp.int64)
+        mean, var, todo, _ = _kernel.merge_fast(
+            _ops,
+            xd,
+            0,
+            FORMATS["float32"],
+            _leader_sum("i", None),
+            reduce,
+            minimum,
+            devices,
+            count,
+            wd,
+            0,
+        )
+        return mean, var, todo, captured[0]
+
+    return jax.jit(jax.vmap(device, in_axes=(0, 0, None), axis_name="i"))
+
+
+def _certified_run(x, where, devices, total=None):
+    import jax
+
+    with jax.enable_x64(True):
+        fn = _certified_fn(devices, total is not None)
+        rows = np.zeros((6, x.shape[-1])) if total is None else total
+        return [np.asarray(t) for t in fn(x, where, rows)]
+
+
+def run_certified(devices=1000, rows=48, channels=4, seed=0, verbose=True):
+    """The certified merge's all-reduce SUM of float64 sums and bounds done by several
+    trees (chain, balanced binary, three random binary trees, a ring, numpy's pairwise
+    sum), which give different float64 totals: every device must decide alike and every
+    slice a tree decides must have the oracle's bits (ddof 0); the slices it leaves open
+    are listed (the exact states decide them, as in `run`).  Returns the figures."""
+    x, where = _data(devices, rows, channels, seed)
+    start = time.perf_counter()
+    _, _, todo, local = _certified_run(x, where, devices)
+    seconds = time.perf_counter() - start
+    flat_x, flat_w = x.reshape(-1, channels), where.reshape(-1, channels)
+    selected = flat_x[flat_w[:, 0]]
+    exact = [_oracle(selected[:, j], 0) for j in range(channels)]
+    oracle = [np.array([e[i] for e in exact], np.float32) for i in (0, 1)]
+    parts = list(local)  # [devices] of [6, channels] float64
+    rng = np.random.default_rng(seed + 2)
+    trees = {"chain": _chain(parts, np.add, rng), "binary": _binary(parts, np.add, rng)}
+    for i in range(3):
+        trees[f"random_{i}"] = _random(parts, np.add, rng)
+    trees["ring"] = _ring(local)
+    trees["pairwise"] = local.sum(axis=0)
+    opened = {"psum": np.flatnonzero(todo[0]).tolist()}
+    for name, total in trees.items():
+        mean, var, todo_t, _ = _certified_run(x, where, devices, total)
+        assert (todo_t == todo_t[0]).all(), name  # every device decides alike
+        decided = ~todo_t[0]
+        for got, ref, what in ((mean[0], oracle[0], "mean"), (var[0], oracle[1], "var")):
+            got32 = got.astype(np.float32)
+            np.testing.assert_array_equal(
+                got32[decided].view(np.uint32), ref[decided].view(np.uint32), f"{name} {what}"
+            )
+        opened[name] = np.flatnonzero(todo_t[0]).tolist()
+    figures = {
+        "devices": devices,
+        "channels": channels,
+        "open": opened,
+        "seconds": seconds,
+        "distinct_totals": len({t.tobytes() for t in trees.values()}),
+    }
+    if verbose:
+        print(
+            f"\ncertified merge, {devices} devices x {channels} channels (jax.vmap, "
+            f"{seconds:.2f} s with compilation): {figures['distinct_totals']} different "
+            f"float64 totals from {len(trees)} trees; slices left open per tree (the exact "
+            "states decide them); every decided slice has the oracle's bits"
+        )
+        print("\n| all-reduce tree | open slices |\n|---|---|")
+        for name, o in opened.items():
+            print(f"| {name} | {o} |")
+    return figures
+
+
 def _print(f):
     d = f["devices"]
     print(
@@ -236,6 +343,7 @@ def main():
     parser.add_argument("--framework", choices=("jax", "tf"), default="jax")
     args = parser.parse_args()
     run(args.devices, args.rows, args.channels, framework=args.framework)
+    run_certified(args.devices, args.rows, args.channels)
 
 
 if __name__ == "__main__":

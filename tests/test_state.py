@@ -423,7 +423,8 @@ def test_accumulate_state_bad_input_raises_clear_errors():
 def test_merge_trees_simulation_small():
     """benchmarks/merge_trees.py with 16 shards (TF: nothing compiled): chain, balanced and
     random binary trees, a ring all-reduce and one flat int32 sum all give the state of the
-    whole and the bits of moments and of the oracle; the digit headroom is measured."""
+    whole and the bits of moments and of the oracle; the digit headroom is measured.  The
+    certified merge's float64 all-reduce by the same trees: the oracle's bits."""
     import importlib.util
 
     path = HERE.parent / "benchmarks" / "merge_trees.py"
@@ -442,3 +443,9 @@ def test_merge_trees_simulation_small():
     ]
     assert figures["state_int32_per_slice"] == state_size(tf.float32)
     assert 2**16 <= figures["headroom"][16] <= 16 * (2**16 - 1) < 2**31
+    # The certified merge (JAX): its float64 all-reduce summed by seven trees, which give
+    # different totals; every tree decides every slice but the NaN channel (3) alike on
+    # every device, with the oracle's bits (run_certified asserts them).
+    certified = merge_trees.run_certified(devices=16, rows=24, channels=4, verbose=False)
+    assert all(o == [3] for o in certified["open"].values()), certified["open"]
+    assert certified["distinct_totals"] > 1
