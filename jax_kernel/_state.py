@@ -243,8 +243,8 @@ def merge_states(a, b):
     return MomentsState(_merge(a.values, b.values, a.dtype), a.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _finish(values, dtype, ddof):
+def _xla_finish(values, dtype, ddof):
+    """state_moments in XLA: carry, then `_state.values`."""
     layout = _layout(dtype)
     work = _moments._compute_dtype(dtype)
     shape = values.shape[:-1]
@@ -259,13 +259,80 @@ def _finish(values, dtype, ddof):
     return mean.reshape(shape), var
 
 
+def _native_finish(values, dtype, ddof):
+    """state_moments from the native kernel (the CPU's FFI call): the same bits."""
+    layout = _layout(dtype)
+    work = _moments._compute_dtype(dtype)
+    carrier = np.float64 if work == np.float64 else np.float32
+    mean, var = _native.state_moments_call(
+        values, ddof, layout.fmt, layout.parts, layout.l1, layout.l2, carrier
+    )
+    means = [mean[..., j].astype(work) for j in range(layout.parts)]
+    mean = means[0] if len(means) == 1 else jax.lax.complex(means[0], means[1])
+    return mean, var.astype(work)
+
+
+# state_moments as a primitive lowered per platform, as `_state_p`: the native FFI call
+# on the CPU (not in an exported artifact), XLA everywhere else.
+_finish_p = Primitive("tf_stable_moments_state_moments")
+_finish_p.multiple_results = True
+
+
+@_finish_p.def_abstract_eval
+def _finish_abstract(values, *, dtype, ddof, native):
+    work = _moments._compute_dtype(dtype)
+    kept = values.shape[:-1]
+    mean = np.dtype(dtype) if np.dtype(dtype).kind == "c" else work
+    return [_ShapedArray(kept, mean), _ShapedArray(kept, work)]
+
+
+def _finish_fn(dtype, ddof, native):
+    if native:
+        return lambda v: list(_native_finish(v, dtype, ddof))
+    return lambda v: list(_xla_finish(v, dtype, ddof))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _finish_jit(values, dtype, ddof, native):
+    return _finish_fn(dtype, ddof, native)(values)
+
+
+@_finish_p.def_impl
+def _finish_impl(values, *, dtype, ddof, native):
+    native = native and _native.concrete_platform(values) == "cpu"
+    return _finish_jit(values, dtype, ddof, native)
+
+
+def _finish_lowering(platform):
+    def lower(ctx, values, *, dtype, ddof, native):
+        native = native and platform == "cpu" and not _native.for_export(ctx)
+        return mlir.lower_fun(_finish_fn(dtype, ddof, native), multiple_results=True)(ctx, values)
+
+    return lower
+
+
+mlir.register_lowering(_finish_p, _finish_lowering(None))
+mlir.register_lowering(_finish_p, _finish_lowering("cpu"), platform="cpu")
+
+
+def _finish_batch(args, dims, **params):
+    """vmap: the batch axis first, as one more kept axis of the states and the results."""
+    (values,), (bd,) = args, dims
+    return _finish_p.bind(jnp.moveaxis(values, bd, 0), **params), [0, 0]
+
+
+batching.primitive_batchers[_finish_p] = _finish_batch
+
+
 def state_moments(state, ddof=0):
     """(mean, variance) of the data a state summarises, each correctly rounded: the bits of
     ``moments(data, axes, ddof=ddof)`` on all the data merged into `state`, with the same
     special values (see ``tf_stable_moments.state_moments``)."""
     _check_state(state, "state_moments", "state")
     ddof = check_ddof(ddof, "state_moments")
-    return _finish(state.values, state.dtype, ddof)
+    native = _moments._use_native()
+    mean, var = _finish_p.bind(state.values, dtype=state.dtype, ddof=ddof, native=native)
+    return mean, var
 
 
 def _kept(shape, axes):

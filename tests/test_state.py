@@ -325,7 +325,7 @@ def test_native_state_moments_has_the_bits_of_the_plain_finish(dtype):
     through plain TensorFlow operations (under `portable`) give the same bits, on a state
     and on an uncarried digit sum of states: slices on an offset, with NaN or infinities,
     of one element (n - ddof <= 0 for ddof 1 and 5), tiny, empty; a negative digit (no
-    sum of states) is refused."""
+    sum of states) is refused.  The same for JAX's FFI call."""
     dtype = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
     rng = np.random.default_rng(8)
     x = rng.normal(0, 1, (40, 6)) * np.array([1, 1, 1e20, 1, 1e-30, 1])
@@ -351,6 +351,38 @@ def test_native_state_moments_has_the_bits_of_the_plain_finish(dtype):
     bad = MomentsState(tf.fill(state.values.shape, -1), state.dtype)
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"slice 0 is not a state"):
         state_moments(bad)
+    _check_jax_native_finish(x)
+
+
+def _check_jax_native_finish(x):
+    """jax_kernel.state_moments through the native FFI call (lowered for the CPU) and its
+    XLA finish (`_finish_jit(native=False)`): the same bits, as above; the FFI call is in
+    the CPU lowering and not in a `jax.export` artifact; vmap batches it."""
+    import jax
+
+    import jax_kernel
+    from jax_kernel import _state as jax_state
+
+    with jax.enable_x64(x.dtype in (np.float64, np.complex128)):
+        for data in (x, x[:1], x[:0]):
+            state = jax_kernel.moments_state(data, 0)
+            doubled = jax_kernel.MomentsState(state.values * 2, state.dtype)
+            for s in (state, doubled):
+                for ddof in (0, 1):  # (n - ddof <= 0 on one element; a compilation each)
+                    native = jax_kernel.state_moments(s, ddof)
+                    xla = jax_state._finish_jit(s.values, s.dtype, ddof, False)
+                    for got, want in zip(native, xla):
+                        np.testing.assert_array_equal(bits(got), bits(want))
+        fn = jax.jit(lambda v: jax_kernel.state_moments(jax_kernel.MomentsState(v, x.dtype)))
+        values = jax_kernel.moments_state(x, 0).values
+        assert jax_state._native.FINISH_TARGET in fn.lower(values).as_text()
+        exported = jax.export.export(fn, platforms=("cpu", "cuda"))(values)
+        assert jax_state._native.FINISH_TARGET not in exported.mlir_module()
+        for got, want in zip(exported.call(values), fn(values)):
+            np.testing.assert_array_equal(bits(got), bits(want))
+        batched = jax.vmap(fn)(np.stack([values, 2 * values]))
+        for got, want in zip(batched, fn(2 * values)):
+            np.testing.assert_array_equal(bits(got[1]), bits(want))
 
 
 # ------------------------------------------------------------------ streaming

@@ -29,6 +29,7 @@ SYMBOL = "StableMoments"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in stable_moments_ffi.
 LO_TARGET, LO_SYMBOL = "tf_stable_moments_native_mean_lo", "StableMeanLo"
 STALL_TARGET, STALL_SYMBOL = "tf_stable_moments_native_stall_check", "StableStallCheck"
 STATE_TARGET, STATE_SYMBOL = "tf_stable_moments_native_state", "StableState"
+FINISH_TARGET, FINISH_SYMBOL = "tf_stable_moments_native_state_moments", "StableStateMoments"
 
 _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
@@ -72,6 +73,7 @@ def _open(path):
         (LO_TARGET, getattr(lib, LO_SYMBOL)),
         (STALL_TARGET, getattr(lib, STALL_SYMBOL)),
         (STATE_TARGET, getattr(lib, STATE_SYMBOL)),
+        (FINISH_TARGET, getattr(lib, FINISH_SYMBOL)),
     ]
     lib.SetStallReporter.argtypes = [_REPORTER]
     lib.SetStallReporter.restype = None
@@ -201,6 +203,30 @@ def state_call(x, fmt, l1, l2):
         call = jax.ffi.ffi_call(STATE_TARGET, out, vmap_method="broadcast_all")
         return call(
             x,
+            precision=np.int64(fmt.precision),
+            emin=np.int64(fmt.emin),
+            emax=np.int64(fmt.emax),
+            l1=np.int64(l1),
+            l2=np.int64(l2),
+        )
+
+
+def state_moments_call(values, ddof, fmt, parts, l1, l2, carrier):
+    """(mean [..., parts], var [...]) of `carrier` (float32 or float64: values of `fmt`) from
+    states values int32 [..., 3 + parts (l1 + 9) + l2] (`_state.Layout`): the bits of
+    `state_moments`."""
+    if load() is None:
+        raise RuntimeError("state_moments_call: the native kernel is unavailable or switched off")
+    kept = tuple(values.shape[:-1])
+    with jax.enable_x64(True):
+        out = (
+            jax.ShapeDtypeStruct((*kept, parts), carrier),
+            jax.ShapeDtypeStruct(kept, carrier),
+        )
+        call = jax.ffi.ffi_call(FINISH_TARGET, out, vmap_method="broadcast_all")
+        return call(
+            values,
+            ddof=np.int64(ddof),
             precision=np.int64(fmt.precision),
             emin=np.int64(fmt.emin),
             emax=np.int64(fmt.emax),

@@ -181,6 +181,54 @@ ffi::Error StableStateImpl(ffi::AnyBuffer x, int64_t precision, int64_t emin, in
   return ffi::Error::Success();
 }
 
+// "stable_state_moments": (mean, var) from moments states (docs section 13; moments.h
+// `state_result`): values S32 [..., size] (canonical states or digit sums of up to 2**15
+// of them) -> mean [..., parts], var [...] of F32 or F64, values of the format (precision,
+// emin, emax), the bits of `state_moments`.
+template <typename T>
+ffi::Error StateMomentsRun(const int32_t* d, int64_t slices, const stable_moments::StateLayout& s,
+                           int64_t ddof, const stable_moments::Format& f, T* mean, T* var) {
+  for (int64_t i = 0; i < slices; ++i) {
+    if (!stable_moments::state_result<T>(d + i * s.size(), s, ddof, f, mean + i * s.parts,
+                                         var[i])) {
+      return ffi::Error::InvalidArgument("state_moments: slice " + std::to_string(i) +
+                                         " is not a state or a sum of states (a negative "
+                                         "digit, or n S2 < S1**2)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error StableStateMomentsImpl(ffi::AnyBuffer values, int64_t ddof, int64_t precision,
+                                  int64_t emin, int64_t emax, int64_t l1, int64_t l2,
+                                  ffi::Result<ffi::AnyBuffer> mean,
+                                  ffi::Result<ffi::AnyBuffer> var) {
+  const int64_t count = static_cast<int64_t>(values.element_count());
+  const int64_t slices = static_cast<int64_t>(var->element_count());
+  const int64_t parts = slices > 0 ? static_cast<int64_t>(mean->element_count()) / slices : 1;
+  const stable_moments::StateLayout s{static_cast<int>(l1), static_cast<int>(l2),
+                                      static_cast<int>(parts)};
+  if (values.element_type() != ffi::DataType::S32 || (parts != 1 && parts != 2) ||
+      count != slices * s.size() || mean->element_type() != var->element_type() || ddof < 0) {
+    return ffi::Error::InvalidArgument("stable_state_moments: shapes or dtypes do not match");
+  }
+  stable_moments::Format f;
+  f.precision = static_cast<int>(precision);
+  f.emin = static_cast<int>(emin);
+  f.emax = static_cast<int>(emax);
+  const int32_t* d = values.typed_data<int32_t>();
+  switch (mean->element_type()) {
+    case ffi::DataType::F32:
+      return StateMomentsRun<float>(d, slices, s, ddof, f, mean->typed_data<float>(),
+                                    var->typed_data<float>());
+    case ffi::DataType::F64:
+      return StateMomentsRun<double>(d, slices, s, ddof, f, mean->typed_data<double>(),
+                                     var->typed_data<double>());
+    default:
+      return ffi::Error::InvalidArgument("stable_state_moments: results must be F32 or F64");
+  }
+}
+
 // "stable_stall_check": the stall test of tf_stable_moments/_advice.py `check` for the
 // layers on the JAX backend, as one custom call instead of a lax.cond around a
 // jax.debug.callback (which cost a compiled training step about 0.5 ms per layer on a
@@ -271,3 +319,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StableState, StableStateImpl,
                                   .Attr<int64_t>("l1")
                                   .Attr<int64_t>("l2")
                                   .Ret<ffi::AnyBuffer>());  // values
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StableStateMoments, StableStateMomentsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // values
+                                  .Attr<int64_t>("ddof")
+                                  .Attr<int64_t>("precision")
+                                  .Attr<int64_t>("emin")
+                                  .Attr<int64_t>("emax")
+                                  .Attr<int64_t>("l1")
+                                  .Attr<int64_t>("l2")
+                                  .Ret<ffi::AnyBuffer>()   // mean
+                                  .Ret<ffi::AnyBuffer>());  // var
