@@ -187,7 +187,9 @@ def moments_state(x, axes=None, *, where=None):
     Same contract as ``tf_stable_moments.moments_state`` (the same bits): per
     slice n, S1 = sum x_i and S2 = sum x_i**2 as exact integers and the NaN,
     +inf and -inf counts per real part.  Works under jax.jit, shard_map, pmap
-    and vmap; no 64-bit mode needed.
+    and vmap; no 64-bit mode needed.  Computations lowered for the CPU take it
+    from the native kernel (one FFI call, no `where`); others from the XLA one
+    pass (docs/algorithm.md section 13).
 
     Args:
       x: array of dtype float16, bfloat16, float32, float64, complex64 or

@@ -22,10 +22,12 @@ the canonical form.  Hence merging is associative and commutative in bits, and
 `finish` gives the correctly rounded mean and variance of the union, the bits
 of `moments` on the concatenated data.
 
-Two ways to the same canonical state: `from_rows`, the digits of every element
+Two ways to the same canonical state here: `from_rows`, the digits of every element
 (`_exact.accumulate`: a segment sum), and `from_one_pass` for inputs of at most 24
 bits, exact float64 sums of blocks of 256 pieces whose bits are counted (docs section
-13, "The state in one pass"), placed at their digits per slice.
+13, "The state in one pass"), placed at their digits per slice.  A third is native
+(moments_core/native/moments.h `state`, exact integer sums written as these digits;
+`state_result` rounds a state as `values` does), which the frameworks call on the CPU.
 
 `carry` has no data-dependent loop: a fixed number of carry steps brings every
 digit to [0, 2**16], and the remaining carries of 0 or 1 are resolved by a

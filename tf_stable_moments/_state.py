@@ -127,11 +127,13 @@ def moments_state(x, axes=None, *, where=None, name=None):
     the states of shards gives mean = S1 / n and
     var = (n S2 - S1**2) / (n (n - ddof)), each rounded once: the bits of
     `moments` on the concatenated shards, whatever the order of merging.
-    Inputs of at most 24 bits (float32, float16, bfloat16, complex64) take
-    one pass of exact float64 block sums (XLA; below 2**16 elements outside
-    XLA, the exact digits of every element, which need no compilation);
-    float64 and complex128 the digits of every element.  docs/algorithm.md
-    section 13 has the argument and the costs.
+    On the CPU outside XLA (no `where`) the native kernel takes it in one pass
+    of exact integer sums (the op StableState, every dtype).  Elsewhere inputs
+    of at most 24 bits (float32, float16, bfloat16, complex64) take one pass of
+    exact float64 block sums (XLA; below 2**16 elements outside XLA, the exact
+    digits of every element, which need no compilation); float64 and
+    complex128 the digits of every element.  The same bits every way:
+    docs/algorithm.md section 13 has the arguments and the costs.
 
     Args:
       x: a Tensor of dtype float16, bfloat16, float32, float64, complex64 or
@@ -177,9 +179,10 @@ ONE_PASS_MIN = 1 << 16
 
 
 def _state_call(axes, args):
-    """The state's values: in one pass where the inputs have at most 24 bits and XLA runs
-    it (built into a user's XLA computation, else, from ONE_PASS_MIN elements or a size
-    unknown while tracing, an XLA computation of its own on inputs padded with zeros to
+    """The state's values: the native op where it serves (the CPU outside XLA, no mask);
+    else in one pass where the inputs have at most 24 bits and XLA runs it (built into a
+    user's XLA computation, else, from ONE_PASS_MIN elements or a size unknown while
+    tracing, an XLA computation of its own on inputs padded with zeros to
     `_moments._bucket` sizes, so that shards of many lengths compile a few times); else
     the digits of every element in plain operations."""
     x = args[0]
