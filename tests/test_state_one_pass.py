@@ -226,9 +226,10 @@ def test_native_state_gives_the_state_of_every_elements_digits(dtype, layout):
 
 
 def test_native_state_is_chosen_per_platform_and_never_exported():
-    """The native kernel serves the CPU outside XLA only: a TF graph holds the StableState
-    op (none under `portable`); a JAX computation lowered for the CPU holds the FFI call,
-    one exported for CPU and CUDA holds none and gives the same bits; vmap batches it."""
+    """The native kernel serves the CPU: a TF graph holds the StableState op (none under
+    `portable`), a TF XLA computation its custom call; a JAX computation lowered for the
+    CPU holds the FFI call, one exported for CPU and CUDA holds none and gives the same
+    bits; vmap batches it."""
     x = np.random.default_rng(5).normal(1e3, 1, [300, 3, 2]).astype(np.float32)
     fn = tf.function(lambda v: tf_stable_moments.moments_state(v, [0]).values)
     spec = tf.TensorSpec(x.shape, tf.float32)
@@ -238,6 +239,18 @@ def test_native_state_is_chosen_per_platform_and_never_exported():
         fn = tf.function(lambda v: tf_stable_moments.moments_state(v, [0]).values)
         ops = {op.type for op in fn.get_concrete_function(spec).graph.get_operations()}
     assert not any(t.startswith("Stable") for t in ops), ops
+    # Inside a user's XLA computation: the native kernel as a custom call, the same bits.
+    xla = tf.function(lambda v: tf_stable_moments.moments_state(v, [0]).values, jit_compile=True)
+    graph = xla.get_concrete_function(spec).graph
+    targets = {
+        op.get_attr("call_target_name")
+        for op in graph.get_operations()
+        if op.type == "XlaCustomCallV2"
+    }
+    assert targets == {b"tf_stable_moments_state"}, targets
+    np.testing.assert_array_equal(
+        xla(x).numpy(), tf_stable_moments.moments_state(x, [0]).values.numpy()
+    )
     state = jax.jit(lambda v: jax_kernel.moments_state(v, 0).values)
     exported = jax.export.export(state, platforms=("cpu", "cuda"))(x)
     assert jax_state._native.STATE_TARGET not in exported.mlir_module()

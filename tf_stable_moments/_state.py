@@ -179,19 +179,26 @@ ONE_PASS_MIN = 1 << 16
 
 
 def _state_call(axes, args):
-    """The state's values: the native op where it serves (the CPU outside XLA, no mask);
-    else in one pass where the inputs have at most 24 bits and XLA runs it (built into a
-    user's XLA computation, else, from ONE_PASS_MIN elements or a size unknown while
-    tracing, an XLA computation of its own on inputs padded with zeros to
-    `_moments._bucket` sizes, so that shards of many lengths compile a few times); else
-    the digits of every element in plain operations."""
+    """The state's values: the native kernel where it serves (the CPU, no mask: the op,
+    or inside a user's XLA computation of static shape a custom call); else in one pass
+    where the inputs have at most 24 bits and XLA runs it (built into a user's XLA
+    computation, else, from ONE_PASS_MIN elements or a size unknown while tracing, an
+    XLA computation of its own on inputs padded with zeros to `_moments._bucket` sizes,
+    so that shards of many lengths compile a few times); else the digits of every
+    element in plain operations."""
     x = args[0]
     layout = _layout(x.dtype)
-    op = None if len(args) > 1 or in_xla_context() else _native.formula_op("state", x)
-    if op is not None:  # the native kernel's one pass (the CPU, outside XLA, no mask)
-        y, attrs, _ = _moments._native_input(x, axes, 0)
-        del attrs["ddof"]
-        return op(y, l1=layout.l1, l2=layout.l2, **attrs)
+    if len(args) == 1:  # the native kernel's one pass (the CPU, no mask): op or custom call
+        xla = in_xla_context()
+        op = None if xla else _native.formula_op("state", x)
+        custom = xla and x.shape.is_fully_defined() and _native.xla_available()
+        if op is not None or custom:
+            y, attrs, _ = _moments._native_input(x, axes, 0)
+            del attrs["ddof"]
+            if op is not None:
+                return op(y, l1=layout.l1, l2=layout.l2, **attrs)
+            shape = [*_moments._out_shape(x, axes, False), layout.size]
+            return _native.xla_state(y, attrs, layout.l1, layout.l2, shape)
     size = x.shape.num_elements()  # None: not known while tracing
     small = size is not None and size < ONE_PASS_MIN
     if not _state.one_pass_applies(layout.fmt) or (

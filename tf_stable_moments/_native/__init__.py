@@ -256,6 +256,34 @@ def xla_moments(y, attrs, lo, mean_shape, var_shape):
     )
 
 
+def xla_state(y, attrs, l1, l2, shape):
+    """The moments state (StableState) of `y` with `attrs` (those of the op) as one custom
+    call in the XLA computation being traced: int32 values of the static `shape`."""
+    config = " ".join(
+        str(v)
+        for v in (
+            y.dtype.size,
+            y.shape.rank,
+            attrs["precision"],
+            attrs["emin"],
+            attrs["emax"],
+            attrs["parts"],
+            attrs["axis_begin"],
+            attrs["axis_end"],
+            l1,
+            l2,
+        )
+    )
+    return _custom_call_op()(
+        operands=[y, tf.shape(y, out_type=tf.int64)],
+        call_target_name="tf_stable_moments_state",
+        backend_config=config,
+        has_side_effect=False,
+        result_dtypes=[tf.int32],
+        result_shapes=[shape],
+    )[0]
+
+
 CHUNK_ELEMENTS = 2**16  # inputs per custom call when the kept length is unknown
 
 

@@ -953,6 +953,34 @@ void tf_stable_moments_stall_check(void* out, const void** in, const char* opaqu
              momentum, epsilon, threshold, token);
 }
 
+// "tf_stable_moments_state": StableState inside XLA.
+//   in:  x (as the op's input), int64 [rank] x's shape;  out: values int32 [kept, size]
+//   opaque: "bytes rank precision emin emax parts axis_begin axis_end l1 l2"
+void tf_stable_moments_state(void* out, const void** in, const char* opaque,
+                             size_t opaque_len, XlaCustomCallStatus*) {
+  std::string config(opaque, opaque_len);
+  stable_moments::Format f;
+  stable_moments::StateLayout s{0, 0, 1};
+  int bytes = 0, rank = 0, begin = 0, end = 0;
+  if (std::sscanf(config.c_str(), "%d %d %d %d %d %d %d %d %d %d", &bytes, &rank, &f.precision,
+                  &f.emin, &f.emax, &s.parts, &begin, &end, &s.l1, &s.l2) != 10) {
+    return;  // not emitted by the wrapper (no error channel: XLA's setter is not exported)
+  }
+  const int64_t* shape = static_cast<const int64_t*>(in[1]);
+  const int data = rank - (s.parts == 2 ? 1 : 0);
+  int64_t outer = 1, n = 1, inner = 1;
+  for (int d = 0; d < data; ++d) (d < begin ? outer : d < end ? n : inner) *= shape[d];
+  int32_t* values = static_cast<int32_t*>(out);
+  const int threads = stable_moments::machine_threads();
+  if (bytes == 8) {
+    stable_moments::state<double>(static_cast<const double*>(in[0]), outer, n, inner, s.parts,
+                                  f, s, values, threads);
+  } else {
+    stable_moments::state<float>(static_cast<const float*>(in[0]), outer, n, inner, s.parts, f,
+                                 s, values, threads);
+  }
+}
+
 // Registered once per process (a second copy of this library, loaded from elsewhere, finds
 // the names taken and leaves them: XLA refuses two addresses for one name).
 struct RegisterXlaTargets {
@@ -962,6 +990,7 @@ struct RegisterXlaTargets {
         {"tf_stable_moments_moments", reinterpret_cast<void*>(&tf_stable_moments_moments)},
         {"tf_stable_moments_stall_check",
          reinterpret_cast<void*>(&tf_stable_moments_stall_check)},
+        {"tf_stable_moments_state", reinterpret_cast<void*>(&tf_stable_moments_state)},
     };
     for (const auto& [name, address] : targets) {
       if (registry->Lookup(name, "Host") == nullptr) registry->Register(name, address, "Host");
