@@ -258,3 +258,23 @@ def test_native_state_is_chosen_per_platform_and_never_exported():
     np.testing.assert_array_equal(np.asarray(exported.call(x)), want)
     batched = jax.vmap(lambda v: jax_kernel.moments_state(v, 0).values, in_axes=2)(x)
     np.testing.assert_array_equal(np.asarray(batched), np.moveaxis(want, 1, 0))
+
+
+def test_native_state_splits_long_slices_between_threads_with_the_same_bits():
+    """A slice of 2**20 + 3 float32 inputs, and 3 columns of 2**19 + 5 rows (fewer work
+    items than threads: the rows are cut into chunks, summed apart and added), a NaN and
+    ranges beyond the window included: the native state (TF op, JAX FFI) is the XLA one
+    pass's, bit for bit."""
+    rng = np.random.default_rng(17)
+    for shape in ((2**20 + 3,), (2**19 + 5, 3)):
+        x = rng.normal(1e3, 1, shape) * rng.choice(
+            [1.0, 1e-30, 1e20, 0.0], shape, p=[0.7] + [0.1] * 3
+        )
+        x = x.astype(np.float32)
+        x.reshape(-1)[12345] = np.nan
+        want = np.asarray(jax_state._state_values(jnp.asarray(x), None, (0,), True))
+        got = tf_stable_moments.moments_state(x, [0]).values.numpy()
+        np.testing.assert_array_equal(got, want, err_msg=f"TF {shape}")
+        np.testing.assert_array_equal(
+            np.asarray(jax_kernel.moments_state(x, 0).values), want, err_msg=f"JAX {shape}"
+        )

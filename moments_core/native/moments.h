@@ -1409,12 +1409,50 @@ inline ExactPart merged(const ExactPart& a, const ExactPart& b) {  // the sums o
 // through BinSums.
 constexpr int64_t kRowVectors = 256;
 
+// The exact parts of columns [c0, c1) of a block [n, width] over its rows [k0, k1), into
+// ex[0, c1 - c0).  float: ColumnSums, a row (width 1) of kRowVectors or more read as eight
+// columns [(k1 - k0) / 8, 8] and its tail, the lanes added; else BinSums (one column at a
+// time, through a stride).
+template <typename T>
+void rows_parts(const T* block, int64_t k0, int64_t k1, int64_t width, int64_t c0, int64_t c1,
+                const Format& f, BinSums<T>& bins, ExactPart* ex) {
+  const T* first = block + k0 * width;
+  const int64_t rows = k1 - k0;
+  if constexpr (std::is_same<T, float>::value) {
+    if (width > 1) {
+      ColumnSums sums(c1 - c0, f, ex);
+      sums.add(first + c0, rows, width);
+      sums.finish();
+      return;
+    }
+    if (rows >= kRowVectors) {
+      ExactPart lanes[8];
+      ColumnSums sums(8, f, lanes);
+      sums.add(first, rows / 8, 8);
+      for (int64_t k = rows / 8 * 8; k < rows; ++k) sums.add_one(k % 8, first[k]);
+      sums.finish();
+      ExactPart total;
+      for (const ExactPart& l : lanes) total = merged(total, l);
+      ex[0] = total;
+      return;
+    }
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    bins.add(first + c, rows, width);
+    ex[c - c0] = bins.finish(f);
+  }
+}
+
+// Slices with at least this many rows each may have their rows split between threads.
+constexpr int64_t kSplitRows = int64_t(1) << 16;
+
 // x [outer, n, inner, parts] -> out [outer, inner, size] int32: the state of every slice.
 // Work items are blocks of slices: groups of 16 to 64 columns of one block o (at least a
 // cache line of each row, and about four items per thread, so that a thread the machine
 // runs late leaves its share to the others), or, for rows (width 1), runs of consecutive
-// rows (float rows of kRowVectors or more read as eight columns, else binned by `BinSums`,
-// one set per thread).  float64 columns are binned one at a time through a stride.
+// rows.  When there are fewer items than threads and the slices are long, each item's
+// rows are cut into chunks too, summed into exact parts of their own and added at the
+// end (integer sums: the same integers in another order).
 template <typename T>
 void state(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, const Format& f,
            const StateLayout& s, int32_t* out, int threads) {
@@ -1432,48 +1470,50 @@ void state(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, const
     groups = (inner + per - 1) / per;
   }
   const int64_t items = width == 1 ? (outer + per - 1) / per : outer * groups;
+  const int64_t chunks =
+      items < T_ && n >= kSplitRows ? std::min<int64_t>(4 * T_, n / (kSplitRows / 4)) : 1;
+  const int64_t step = (n + chunks - 1) / chunks;
+  const int64_t cols = width == 1 ? per : per * parts;  // columns (parts) of an item, at most
   std::vector<BinSums<T>> bins(static_cast<size_t>(T_), BinSums<T>(f));
-  run_chunks(T_ - 1, items, [&](int64_t item, int slot) {
+  std::vector<ExactPart> split(static_cast<size_t>(chunks > 1 ? items * chunks * cols : 0));
+  // The slices (blocks o, columns [c0, c1)) of an item.
+  auto item_range = [&](int64_t item, int64_t& o0, int64_t& o1, int64_t& c0, int64_t& c1) {
     if (width == 1) {
-      const int64_t o1 = std::min(outer, (item + 1) * per);
-      for (int64_t o = item * per; o < o1; ++o) {
-        ExactPart ex;
-        if constexpr (std::is_same<T, float>::value) {
-          if (n >= kRowVectors) {  // the slice as eight columns [n / 8, 8], then its tail
-            const T* row = x + o * n;
-            ExactPart lanes[8];
-            ColumnSums sums(8, f, lanes);
-            sums.add(row, n / 8, 8);
-            for (int64_t k = n / 8 * 8; k < n; ++k) sums.add_one(k % 8, row[k]);
-            sums.finish();
-            for (const ExactPart& l : lanes) ex = merged(ex, l);
-            write_state(&ex, n, s, out + o * s.size());
-            continue;
-          }
-        }
-        bins[slot].add(x + o * n, n, 1);
-        ex = bins[slot].finish(f);
-        write_state(&ex, n, s, out + o * s.size());
-      }
+      o0 = item * per, o1 = std::min(outer, o0 + per), c0 = 0, c1 = 1;
+    } else {
+      o0 = item / groups, o1 = o0 + 1;
+      c0 = (item % groups) * per * parts, c1 = std::min(inner, (item % groups + 1) * per) * parts;
+    }
+  };
+  auto write = [&](int64_t o, int64_t c0, int64_t c1, const ExactPart* ex) {
+    for (int64_t c = c0; c < c1; c += parts)
+      write_state(ex + (c - c0), n, s, out + (o * inner + c / parts) * s.size());
+  };
+  run_chunks(T_ - 1, items * chunks, [&](int64_t work, int slot) {
+    const int64_t item = work / chunks, r = work % chunks;
+    int64_t o0, o1, c0, c1;
+    item_range(item, o0, o1, c0, c1);
+    if (chunks > 1) {  // one chunk of rows of the item's one block (items < T_: per is 1)
+      const int64_t k0 = std::min(n, r * step), k1 = std::min(n, k0 + step);
+      rows_parts(x + o0 * n * width, k0, k1, width, c0, c1, f, bins[slot],
+                 split.data() + work * cols);
       return;
     }
-    const int64_t o = item / groups, i0 = (item % groups) * per;
-    const int64_t i1 = std::min(inner, i0 + per);
-    const T* block = x + o * n * width;
-    std::vector<ExactPart> ex(static_cast<size_t>((i1 - i0) * parts));
-    if constexpr (std::is_same<T, float>::value) {
-      ColumnSums sums((i1 - i0) * parts, f, ex.data());
-      sums.add(block + i0 * parts, n, width);
-      sums.finish();
-    } else {
-      for (int64_t c = i0 * parts; c < i1 * parts; ++c) {
-        bins[slot].add(block + c, n, width);
-        ex[static_cast<size_t>(c - i0 * parts)] = bins[slot].finish(f);
-      }
+    std::vector<ExactPart> ex(static_cast<size_t>(c1 - c0));
+    for (int64_t o = o0; o < o1; ++o) {
+      rows_parts(x + o * n * width, 0, n, width, c0, c1, f, bins[slot], ex.data());
+      write(o, c0, c1, ex.data());
     }
-    for (int64_t i = i0; i < i1; ++i)
-      write_state(ex.data() + (i - i0) * parts, n, s, out + (o * inner + i) * s.size());
   });
+  for (int64_t item = 0; chunks > 1 && item < items; ++item) {
+    int64_t o0, o1, c0, c1;
+    item_range(item, o0, o1, c0, c1);
+    std::vector<ExactPart> ex(static_cast<size_t>(c1 - c0));
+    for (int64_t r = 0; r < chunks; ++r)
+      for (int64_t c = 0; c < c1 - c0; ++c)
+        ex[c] = merged(ex[c], split[(item * chunks + r) * cols + c]);
+    write(o0, c0, c1, ex.data());
+  }
 }
 
 // The mean (per part) and variance of slices from their states: values [slices, size]
