@@ -208,14 +208,6 @@ def moments(
         exact states for the slices it leaves open).  Every replica must call it
         with the same dtype and kept dimensions.  With one replica in sync, the
         local statistics; in a cross-replica context, an error.
-      synchronized: (keyword only) inside a tf.distribute replica context
-        (`strategy.run`), the statistics of the union of every replica's x, joined
-        along the reduced axes (shards may be uneven or empty): the same bits on every
-        replica and as one device holding the union, by the certified merge of
-        docs/algorithm.md section 13b (one all-reduce of the fast sums and bounds,
-        exact states for the slices it leaves open).  Every replica must call it
-        with the same dtype and kept dimensions.  With one replica in sync, the
-        local statistics; in a cross-replica context, an error.
 
     Returns:
       (mean, variance), Tensors of the dtype of x (variance real for complex x).
