@@ -138,4 +138,8 @@ def mean_lo_cases():
                 cases.append((x, axes))
     z = np.random.default_rng(10).standard_normal((2, 16, 8))
     cases.append(((z[0] + 1j * z[1]).astype(np.complex64), (0,)))
+    # 2**20 elements or more: the native call cuts them between threads (columns by rows,
+    # contiguous slices by slices), each piece with totals of its own
+    big = (1e4 + np.random.default_rng(11).standard_normal((1040, 1024))).astype(np.float32)
+    cases += [(big, (0,)), (big, (1,))]
     return cases

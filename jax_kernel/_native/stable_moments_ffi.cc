@@ -126,12 +126,12 @@ ffi::Error StableMeanLoImpl(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffe
     case ffi::DataType::F32:
       stable_moments::mean_lo<float>(x.typed_data<float>(), outer, n, inner, p, ddof, f,
                                      mean.typed_data<float>(), var.typed_data<float>(),
-                                     lo->typed_data<float>());
+                                     lo->typed_data<float>(), stable_moments::machine_threads());
       break;
     case ffi::DataType::F64:
       stable_moments::mean_lo<double>(x.typed_data<double>(), outer, n, inner, p, ddof, f,
                                       mean.typed_data<double>(), var.typed_data<double>(),
-                                      lo->typed_data<double>());
+                                      lo->typed_data<double>(), stable_moments::machine_threads());
       break;
     default:
       return ffi::Error::InvalidArgument("stable_mean_lo: x must be float32 or float64");

@@ -1615,11 +1615,32 @@ inline LoScale lo_scale(double mean, double var, int64_t n, int64_t ddof, const 
   return s;
 }
 
+// rint(d / q), d = x - mean, as `_kernel.mean_lo` evaluates it, whose float64 results are
+// flushed (ftz).  Two of its flushes cannot change the term here:
+// * for float32 data (float16/bfloat16 read as float32) x and mean are float32 values, so
+//   d is 0 or at least 2**-149 in magnitude: never below 2**-1022;
+// * a product below 2**-1022 rounds to a zero of its sign with or without the flush, and
+//   every total starts at +0, to which either zero adds +0.
+// float64 data keep the flush of d.
+template <typename T>
+inline double lo_term(T v, double mean, double down, double tiny) {
+  const double d = flushed(v, tiny) - mean;
+  if constexpr (std::is_same<T, float>::value) {
+    return std::nearbyint(d * down);
+  } else {
+    return std::nearbyint(ftz(d) * down);
+  }
+}
+
 // x [outer, n, inner] (parts 2: [outer, n, inner, 2]), mean [outer, inner(, 2)] and var
-// [outer, inner] as the moments call returned them -> lo, laid out like mean.
+// [outer, inner] as the moments call returned them -> lo, laid out like mean.  Every term
+// is an integer and sum |term| < 2**52 (section 9), so every partial sum is exact: the
+// terms may be added in any order and any number of chains, and inputs of kThreadMin
+// elements or more are cut between `threads` threads (slices, or rows of the columns)
+// whose totals are added at the end, with the same bits.
 template <typename T>
 void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int64_t ddof,
-             const Format& f, const T* mean, const T* var, T* lo) {
+             const Format& f, const T* mean, const T* var, T* lo, int threads = 1) {
   const int64_t width = inner * parts, slices = outer * width;
   const double tiny = pow2(f.emin);
   std::vector<double> m(slices), down(slices), total(slices, 0.0);
@@ -1629,32 +1650,51 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
     scale[s] = lo_scale(m[s], static_cast<double>(var[s / parts]), n, ddof, f);
     down[s] = scale[s].down;
   }
-  // Every term is an integer and sum |term| < 2**52 (section 9): every partial sum is
-  // exact, so the terms may be added in any order and any number of chains.
-  auto term = [tiny](T v, double mean, double dn) {
-    return std::nearbyint(ftz(ftz(flushed(v, tiny) - mean) * dn));
-  };
+  const int helpers = outer * n * width >= kThreadMin ? std::max(1, threads) - 1 : 0;
   if (width == 1) {  // contiguous slices (a LayerNormalization): 8 chains per slice
-    for (int64_t o = 0; o < outer; ++o) {
-      const T* row = x + o * n;
-      const double mo = m[o], dn = down[o];
-      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t k = 0;
-      for (; k + 8 <= n; k += 8) {
-        for (int j = 0; j < 8; ++j) acc[j] += term(row[k + j], mo, dn);
+    auto rows = [&](int64_t first, int64_t last) {
+      for (int64_t o = first; o < last; ++o) {
+        const T* row = x + o * n;
+        const double mo = m[o], dn = down[o];
+        double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+          for (int j = 0; j < 8; ++j) acc[j] += lo_term(row[k + j], mo, dn, tiny);
+        }
+        for (; k < n; ++k) acc[0] += lo_term(row[k], mo, dn, tiny);
+        total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
-      for (; k < n; ++k) acc[0] += term(row[k], mo, dn);
-      total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    };
+    const int64_t chunks = std::min<int64_t>(outer, 4 * (helpers + 1));
+    if (chunks <= 1) {
+      rows(0, outer);
+    } else {
+      run_chunks(helpers, chunks, [&](int64_t c, int) {
+        rows(c * outer / chunks, (c + 1) * outer / chunks);
+      });
     }
   } else {
-    for (int64_t o = 0; o < outer; ++o) {
-      const T* block = x + o * n * width;
-      double* t = total.data() + o * width;
+    // rows [first, last) of block o added into t (width totals)
+    auto block = [&](int64_t o, int64_t first, int64_t last, double* t) {
       const double* mo = m.data() + o * width;
       const double* dn = down.data() + o * width;
-      for (int64_t k = 0; k < n; ++k) {
-        const T* row = block + k * width;
-        for (int64_t i = 0; i < width; ++i) t[i] += term(row[i], mo[i], dn[i]);
+      for (int64_t k = first; k < last; ++k) {
+        const T* row = x + (o * n + k) * width;
+        for (int64_t i = 0; i < width; ++i) t[i] += lo_term(row[i], mo[i], dn[i], tiny);
+      }
+    };
+    const int64_t cuts = helpers ? std::min<int64_t>(n, 4 * (helpers + 1)) : 1;
+    if (cuts <= 1) {
+      for (int64_t o = 0; o < outer; ++o) block(o, 0, n, total.data() + o * width);
+    } else {  // every block's rows in `cuts` pieces, each with totals of its own
+      std::vector<double> part(static_cast<size_t>(outer * cuts * width), 0.0);
+      run_chunks(helpers, outer * cuts, [&](int64_t c, int) {
+        const int64_t o = c / cuts, j = c % cuts;
+        block(o, j * n / cuts, (j + 1) * n / cuts, part.data() + c * width);
+      });
+      for (int64_t c = 0; c < outer * cuts; ++c) {
+        double* t = total.data() + (c / cuts) * width;
+        for (int64_t i = 0; i < width; ++i) t[i] += part[c * width + i];
       }
     }
   }

@@ -235,9 +235,10 @@ class StableMeanLoOp : public OpKernel {
                                                     "match x's kept axes"));
     Tensor* lo = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean.shape(), &lo));
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
     stable_moments::mean_lo<T>(x.flat<T>().data(), outer, n, inner, parts_, ddof_, format_,
                                mean.flat<T>().data(), var.flat<T>().data(),
-                               lo->flat<T>().data());
+                               lo->flat<T>().data(), workers ? workers->num_threads : 1);
   }
 
  private:
@@ -329,9 +330,10 @@ class StableCentreOp : public OpKernel {
     T* mean = out[2]->flat<T>().data();
     T* lo = out[3]->flat<T>().data();
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    stable_moments::moments<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var,
-                               workers ? workers->num_threads : 1);
-    stable_moments::mean_lo<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, lo);
+    const int threads = workers ? workers->num_threads : 1;
+    stable_moments::moments<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, threads);
+    stable_moments::mean_lo<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, lo,
+                               threads);
     stable_moments::residuals<T>(xs, outer, n, inner, mean, lo, out[0]->flat<T>().data());
   }
 
@@ -904,7 +906,7 @@ void XlaMoments(void** out, const void** in, const CommonAttrs& a, int rank, boo
                                                         stable_moments::machine_threads());
   if (lo) {
     stable_moments::mean_lo<T>(x, outer, n, inner, a.parts, a.ddof, a.format, mean, var,
-                               static_cast<T*>(out[2]));
+                               static_cast<T*>(out[2]), stable_moments::machine_threads());
   }
   *static_cast<int64_t*>(out[lo ? 3 : 2]) = r.undecided;
 }
