@@ -130,45 +130,48 @@ def _native_state(x, axes):
     return values.reshape(*out_shape(x.shape, axes, False), layout.size)
 
 
-# The state as a primitive lowered per platform, as `_moments._stats_p` chooses the
-# kernel: the native FFI call on the CPU (not in an exported artifact), the XLA one pass
-# everywhere else; the same bits (both are the canonical state).
-_state_p = Primitive("tf_stable_moments_state")
+def _per_platform(name, abstract, choose, batch, multiple_results=False):
+    """A primitive computed by `choose(native, **params)(operand)`: the native FFI call where
+    it runs on the CPU (lowered for it, not for an exported artifact, and its `native`
+    parameter allows it), the XLA computation everywhere else, as `_moments._stats_p`
+    chooses the kernel; both give the same bits.  Outside jit it runs its platform's choice
+    compiled once per parameters; `batch` is its vmap rule."""
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_abstract_eval(abstract)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def compiled(operand, native, items):
+        return choose(native, **dict(items))(operand)
+
+    def impl(operand, *, native, **params):
+        native = native and _native.concrete_platform(operand) == "cpu"
+        return compiled(operand, native, tuple(sorted(params.items())))
+
+    def lowering(platform):
+        def lower(ctx, operand, *, native, **params):
+            native = native and platform == "cpu" and not _native.for_export(ctx)
+            fn = choose(native, **params)
+            return mlir.lower_fun(fn, multiple_results=multiple_results)(ctx, operand)
+
+        return lower
+
+    prim.def_impl(impl)
+    mlir.register_lowering(prim, lowering(None))
+    mlir.register_lowering(prim, lowering("cpu"), platform="cpu")
+    batching.primitive_batchers[prim] = batch
+    return prim
 
 
-@_state_p.def_abstract_eval
 def _state_abstract(x, *, axes, native):
     kept = out_shape(x.shape, axes, False)
     return _ShapedArray((*kept, _layout(x.dtype).size), np.int32)
 
 
-def _state_fn(axes, native):
+def _state_fn(native, axes):
     if native:
         return lambda x: _native_state(x, axes)
     return lambda x: _xla_state(x, None, axes)
-
-
-@_state_p.def_impl
-def _state_impl(x, *, axes, native):
-    native = native and _native.concrete_platform(x) == "cpu"
-    return _state_jit(x, axes, native)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _state_jit(x, axes, native):
-    return _state_fn(axes, native)(x)
-
-
-def _state_lowering(platform):
-    def lower(ctx, x, *, axes, native):
-        native = native and platform == "cpu" and not _native.for_export(ctx)
-        return mlir.lower_fun(_state_fn(axes, native), multiple_results=False)(ctx, x)
-
-    return lower
-
-
-mlir.register_lowering(_state_p, _state_lowering(None))
-mlir.register_lowering(_state_p, _state_lowering("cpu"), platform="cpu")
 
 
 def _state_batch(args, dims, *, axes, native):
@@ -178,7 +181,7 @@ def _state_batch(args, dims, *, axes, native):
     return _state_p.bind(x, axes=tuple(a + 1 for a in axes), native=native), 0
 
 
-batching.primitive_batchers[_state_p] = _state_batch
+_state_p = _per_platform("tf_stable_moments_state", _state_abstract, _state_fn, _state_batch)
 
 
 def moments_state(x, axes=None, *, where=None):
@@ -274,13 +277,6 @@ def _native_finish(values, dtype, ddof):
     return mean, var.astype(work)
 
 
-# state_moments as a primitive lowered per platform, as `_state_p`: the native FFI call
-# on the CPU (not in an exported artifact), XLA everywhere else.
-_finish_p = Primitive("tf_stable_moments_state_moments")
-_finish_p.multiple_results = True
-
-
-@_finish_p.def_abstract_eval
 def _finish_abstract(values, *, dtype, ddof, native):
     work = _moments._compute_dtype(dtype)
     kept = values.shape[:-1]
@@ -288,33 +284,9 @@ def _finish_abstract(values, *, dtype, ddof, native):
     return [_ShapedArray(kept, mean), _ShapedArray(kept, work)]
 
 
-def _finish_fn(dtype, ddof, native):
-    if native:
-        return lambda v: list(_native_finish(v, dtype, ddof))
-    return lambda v: list(_xla_finish(v, dtype, ddof))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _finish_jit(values, dtype, ddof, native):
-    return _finish_fn(dtype, ddof, native)(values)
-
-
-@_finish_p.def_impl
-def _finish_impl(values, *, dtype, ddof, native):
-    native = native and _native.concrete_platform(values) == "cpu"
-    return _finish_jit(values, dtype, ddof, native)
-
-
-def _finish_lowering(platform):
-    def lower(ctx, values, *, dtype, ddof, native):
-        native = native and platform == "cpu" and not _native.for_export(ctx)
-        return mlir.lower_fun(_finish_fn(dtype, ddof, native), multiple_results=True)(ctx, values)
-
-    return lower
-
-
-mlir.register_lowering(_finish_p, _finish_lowering(None))
-mlir.register_lowering(_finish_p, _finish_lowering("cpu"), platform="cpu")
+def _finish_fn(native, dtype, ddof):
+    finish = _native_finish if native else _xla_finish
+    return lambda v: list(finish(v, dtype, ddof))
 
 
 def _finish_batch(args, dims, **params):
@@ -323,7 +295,14 @@ def _finish_batch(args, dims, **params):
     return _finish_p.bind(jnp.moveaxis(values, bd, 0), **params), [0, 0]
 
 
-batching.primitive_batchers[_finish_p] = _finish_batch
+# state_moments, lowered per platform as `_state_p` is.
+_finish_p = _per_platform(
+    "tf_stable_moments_state_moments",
+    _finish_abstract,
+    _finish_fn,
+    _finish_batch,
+    multiple_results=True,
+)
 
 
 def state_moments(state, ddof=0):

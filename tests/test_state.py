@@ -359,7 +359,7 @@ def test_native_state_moments_has_the_bits_of_the_plain_finish(dtype):
 
 def _check_jax_native_finish(x):
     """jax_kernel.state_moments through the native FFI call (lowered for the CPU) and its
-    XLA finish (`_finish_jit(native=False)`): the same bits, as above; the FFI call is in
+    XLA finish (`_finish_fn(native=False)` jitted): the same bits, as above; the FFI call is in
     the CPU lowering and not in a `jax.export` artifact; vmap batches it."""
     import jax
 
@@ -373,7 +373,7 @@ def _check_jax_native_finish(x):
             for s in (state, doubled):
                 for ddof in (0, 1):  # (n - ddof <= 0 on one element; a compilation each)
                     native = jax_kernel.state_moments(s, ddof)
-                    xla = jax_state._finish_jit(s.values, s.dtype, ddof, False)
+                    xla = jax.jit(jax_state._finish_fn(False, s.dtype, ddof))(s.values)
                     for got, want in zip(native, xla):
                         np.testing.assert_array_equal(bits(got), bits(want))
         fn = jax.jit(lambda v: jax_kernel.state_moments(jax_kernel.MomentsState(v, x.dtype)))

@@ -225,25 +225,23 @@ def xla_available():
     return not _accelerator_visible()
 
 
+def _config(y, attrs, *names_then_extra):
+    """A custom call's backend_config: y's element size and rank, then `attrs[name]` for
+    each name (str) and the other values as given, space-separated (what the C++ side
+    parses, in that order)."""
+    values = [y.dtype.size, y.shape.rank]
+    values += [attrs[v] if isinstance(v, str) else v for v in names_then_extra]
+    return " ".join(str(int(v)) for v in values)
+
+
+_FORMAT = ("precision", "emin", "emax", "parts", "axis_begin", "axis_end")
+
+
 def xla_moments(y, attrs, lo, mean_shape, var_shape):
     """(mean, var, [mean_lo,] undecided): StableMoments (and StableMeanLo) of `y` with
     `attrs` (those of the ops) as one custom call in the XLA computation being traced;
     the static result shapes are the caller's (keepdims false)."""
-    config = " ".join(
-        str(v)
-        for v in (
-            y.dtype.size,
-            y.shape.rank,
-            attrs["ddof"],
-            attrs["precision"],
-            attrs["emin"],
-            attrs["emax"],
-            attrs["parts"],
-            attrs["axis_begin"],
-            attrs["axis_end"],
-            int(lo),
-        )
-    )
+    config = _config(y, attrs, "ddof", *_FORMAT, int(lo))
     dtypes = [y.dtype, y.dtype] + ([y.dtype] if lo else []) + [tf.int64]
     shapes = [mean_shape, var_shape] + ([mean_shape] if lo else []) + [[]]
     return _custom_call_op()(
@@ -259,21 +257,7 @@ def xla_moments(y, attrs, lo, mean_shape, var_shape):
 def xla_state(y, attrs, l1, l2, shape):
     """The moments state (StableState) of `y` with `attrs` (those of the op) as one custom
     call in the XLA computation being traced: int32 values of the static `shape`."""
-    config = " ".join(
-        str(v)
-        for v in (
-            y.dtype.size,
-            y.shape.rank,
-            attrs["precision"],
-            attrs["emin"],
-            attrs["emax"],
-            attrs["parts"],
-            attrs["axis_begin"],
-            attrs["axis_end"],
-            l1,
-            l2,
-        )
-    )
+    config = _config(y, attrs, *_FORMAT, l1, l2)
     return _custom_call_op()(
         operands=[y, tf.shape(y, out_type=tf.int64)],
         call_target_name="tf_stable_moments_state",

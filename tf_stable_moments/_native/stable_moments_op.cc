@@ -48,6 +48,74 @@ using tensorflow::TensorShape;
 using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
+// ---- what every op on slices of x over its axes [axis_begin, axis_end) shares --------
+// x's last dimension holds the two parts of complex data where parts is 2 (not reduced).
+
+// Shape inference: the kept dimensions of x (reduced ones as 1 with keepdims), or false
+// with *unknown where x's rank is unknown; an error naming `op` where the axes do not fit.
+Status KeptDims(InferenceContext* c, const char* op, int parts, int begin, int end,
+                bool keepdims, std::vector<tensorflow::shape_inference::DimensionHandle>* dims,
+                bool* known) {
+  ShapeHandle x = c->input(0);
+  *known = c->RankKnown(x);
+  if (!*known) return Status();
+  const int rank = c->Rank(x), data = rank - (parts == 2 ? 1 : 0);
+  if (begin < 0 || begin > end || end > data) {
+    return tensorflow::errors::InvalidArgument(op, ": reduced axes [", begin, ", ", end,
+                                               ") do not fit rank ", rank);
+  }
+  for (int d = 0; d < data; ++d) {
+    if (d < begin || d >= end) {
+      dims->push_back(c->Dim(x, d));
+    } else if (keepdims) {
+      dims->push_back(c->MakeDim(1));
+    }
+  }
+  return Status();
+}
+
+// Kernels: x read as [outer, n, inner] (moments_core.native.layout), and the shape of its
+// kept axes (reduced ones as 1 with keepdims).
+struct SliceLayout {
+  int64_t outer = 1, n = 1, inner = 1;
+  TensorShape kept;
+};
+
+// The layout of x, or an error naming `op` where the axes do not fit, a complex input has
+// no last dimension 2, or a slice has 2**46 elements or more (the kernel's limit; the error
+// names `fn`, the public function).
+Status LayoutOf(const char* op, const char* fn, const Tensor& x, int parts, int begin, int end,
+                bool keepdims, SliceLayout* out) {
+  const int rank = x.dims(), data = rank - (parts == 2 ? 1 : 0);
+  if (begin < 0 || begin > end || end > data) {
+    return tensorflow::errors::InvalidArgument(op, ": reduced axes [", begin, ", ", end,
+                                               ") do not fit rank ", rank);
+  }
+  if (parts == 2 && x.dim_size(data) != 2) {
+    return tensorflow::errors::InvalidArgument(op, ": parts 2 needs a last dimension 2");
+  }
+  for (int d = 0; d < data; ++d) {
+    const int64_t size = x.dim_size(d);
+    (d < begin ? out->outer : d < end ? out->n : out->inner) *= size;
+    if (d < begin || d >= end) {
+      out->kept.AddDim(size);
+    } else if (keepdims) {
+      out->kept.AddDim(1);
+    }
+  }
+  if (out->n >= (int64_t(1) << 46)) {
+    return tensorflow::errors::InvalidArgument(fn, ": a slice of ", out->n,
+                                               " elements exceeds the kernel's 2**46 limit");
+  }
+  return Status();
+}
+
+// The threads of TensorFlow's CPU device (1 where it has none).
+int WorkerThreads(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  return workers ? workers->num_threads : 1;
+}
+
 REGISTER_OP("StableMoments")
     .Input("x: T")
     .Output("mean: T")
@@ -70,27 +138,16 @@ REGISTER_OP("StableMoments")
       TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
       TF_RETURN_IF_ERROR(c->GetAttr("keepdims", &keepdims));
       c->set_output(2, c->Scalar());
-      ShapeHandle x = c->input(0);
-      if (!c->RankKnown(x)) {
+      std::vector<tensorflow::shape_inference::DimensionHandle> dims;
+      bool known;
+      TF_RETURN_IF_ERROR(KeptDims(c, "StableMoments", parts, begin, end, keepdims, &dims, &known));
+      if (!known) {
         c->set_output(0, c->UnknownShape());
         c->set_output(1, c->UnknownShape());
         return Status();
       }
-      const int rank = c->Rank(x), data = rank - (parts == 2 ? 1 : 0);
-      if (begin < 0 || begin > end || end > data) {
-        return tensorflow::errors::InvalidArgument("StableMoments: reduced axes [", begin, ", ",
-                                                   end, ") do not fit rank ", rank);
-      }
-      std::vector<tensorflow::shape_inference::DimensionHandle> dims;
-      for (int d = 0; d < data; ++d) {
-        if (d < begin || d >= end) {
-          dims.push_back(c->Dim(x, d));
-        } else if (keepdims) {
-          dims.push_back(c->MakeDim(1));
-        }
-      }
       c->set_output(1, c->MakeShape(dims));
-      if (parts == 2) dims.push_back(c->Dim(x, data));
+      if (parts == 2) dims.push_back(c->MakeDim(2));
       c->set_output(0, c->MakeShape(dims));
       return Status();
     });
@@ -128,46 +185,20 @@ class StableMomentsOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const int rank = x.dims(), data = rank - (parts_ == 2 ? 1 : 0);
-    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
-                tensorflow::errors::InvalidArgument("StableMoments: reduced axes [", begin_,
-                                                    ", ", end_, ") do not fit rank ", rank));
-    OP_REQUIRES(ctx, parts_ == 1 || x.dim_size(data) == 2,
-                tensorflow::errors::InvalidArgument("StableMoments: parts 2 needs a last "
-                                                    "dimension 2"));
-    int64_t outer = 1, n = 1, inner = 1;
-    TensorShape var_shape;
-    for (int d = 0; d < data; ++d) {
-      const int64_t size = x.dim_size(d);
-      if (d < begin_) {
-        outer *= size;
-      } else if (d < end_) {
-        n *= size;
-      } else {
-        inner *= size;
-      }
-      if (d < begin_ || d >= end_) {
-        var_shape.AddDim(size);
-      } else if (keepdims_) {
-        var_shape.AddDim(1);
-      }
-    }
-    OP_REQUIRES(ctx, n < (int64_t(1) << 46),
-                tensorflow::errors::InvalidArgument(
-                    "moments: a slice of ", n, " elements exceeds the kernel's 2**46 limit"));
-    TensorShape mean_shape = var_shape;
+    SliceLayout l;
+    OP_REQUIRES_OK(ctx, LayoutOf("StableMoments", "moments", x, parts_, begin_, end_,
+                                 keepdims_, &l));
+    TensorShape mean_shape = l.kept;
     if (parts_ == 2) mean_shape.AddDim(2);
     Tensor* mean = nullptr;
     Tensor* var = nullptr;
     Tensor* undecided = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean_shape, &mean));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, var_shape, &var));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, l.kept, &var));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &undecided));
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    int threads = workers ? workers->num_threads : 1;
     stable_moments::Result r = stable_moments::moments<T>(
-        x.flat<T>().data(), outer, n, inner, parts_, ddof_, format_, mean->flat<T>().data(),
-        var->flat<T>().data(), threads);
+        x.flat<T>().data(), l.outer, l.n, l.inner, parts_, ddof_, format_,
+        mean->flat<T>().data(), var->flat<T>().data(), WorkerThreads(ctx));
     undecided->scalar<int64_t>()() = r.undecided;
   }
 
@@ -220,25 +251,17 @@ class StableMeanLoOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Tensor& mean = ctx->input(1);
     const Tensor& var = ctx->input(2);
-    const int rank = x.dims(), data = rank - (parts_ == 2 ? 1 : 0);
-    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
-                tensorflow::errors::InvalidArgument("StableMeanLo: reduced axes [", begin_,
-                                                    ", ", end_, ") do not fit rank ", rank));
-    int64_t outer = 1, n = 1, inner = 1;
-    for (int d = 0; d < data; ++d) {
-      const int64_t size = x.dim_size(d);
-      (d < begin_ ? outer : d < end_ ? n : inner) *= size;
-    }
-    OP_REQUIRES(ctx, mean.NumElements() == outer * inner * parts_ &&
-                         var.NumElements() == outer * inner,
+    SliceLayout l;
+    OP_REQUIRES_OK(ctx, LayoutOf("StableMeanLo", "moments", x, parts_, begin_, end_, false, &l));
+    OP_REQUIRES(ctx, mean.NumElements() == l.outer * l.inner * parts_ &&
+                         var.NumElements() == l.outer * l.inner,
                 tensorflow::errors::InvalidArgument("StableMeanLo: mean and variance do not "
                                                     "match x's kept axes"));
     Tensor* lo = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, mean.shape(), &lo));
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    stable_moments::mean_lo<T>(x.flat<T>().data(), outer, n, inner, parts_, ddof_, format_,
-                               mean.flat<T>().data(), var.flat<T>().data(),
-                               lo->flat<T>().data(), workers ? workers->num_threads : 1);
+    stable_moments::mean_lo<T>(x.flat<T>().data(), l.outer, l.n, l.inner, parts_, ddof_,
+                               format_, mean.flat<T>().data(), var.flat<T>().data(),
+                               lo->flat<T>().data(), WorkerThreads(ctx));
   }
 
  private:
@@ -278,22 +301,11 @@ REGISTER_OP("StableCentre")
       int begin, end;
       TF_RETURN_IF_ERROR(c->GetAttr("axis_begin", &begin));
       TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
-      ShapeHandle x = c->input(0);
-      c->set_output(0, x);
-      if (!c->RankKnown(x)) {
-        for (int i = 1; i < 4; ++i) c->set_output(i, c->UnknownShape());
-        return Status();
-      }
-      const int rank = c->Rank(x);
-      if (begin < 0 || begin > end || end > rank) {
-        return tensorflow::errors::InvalidArgument("StableCentre: reduced axes [", begin, ", ",
-                                                   end, ") do not fit rank ", rank);
-      }
+      c->set_output(0, c->input(0));
       std::vector<tensorflow::shape_inference::DimensionHandle> dims;
-      for (int d = 0; d < rank; ++d) {
-        if (d < begin || d >= end) dims.push_back(c->Dim(x, d));
-      }
-      for (int i = 1; i < 4; ++i) c->set_output(i, c->MakeShape(dims));
+      bool known;
+      TF_RETURN_IF_ERROR(KeptDims(c, "StableCentre", 1, begin, end, false, &dims, &known));
+      for (int i = 1; i < 4; ++i) c->set_output(i, known ? c->MakeShape(dims) : c->UnknownShape());
       return Status();
     });
 
@@ -308,33 +320,21 @@ class StableCentreOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const int rank = x.dims();
-    OP_REQUIRES(ctx, 0 <= a_.begin && a_.begin <= a_.end && a_.end <= rank,
-                tensorflow::errors::InvalidArgument("StableCentre: reduced axes [", a_.begin,
-                                                    ", ", a_.end, ") do not fit rank ", rank));
-    int64_t outer = 1, n = 1, inner = 1;
-    TensorShape kept;
-    for (int d = 0; d < rank; ++d) {
-      const int64_t size = x.dim_size(d);
-      (d < a_.begin ? outer : d < a_.end ? n : inner) *= size;
-      if (d < a_.begin || d >= a_.end) kept.AddDim(size);
-    }
-    OP_REQUIRES(ctx, n < (int64_t(1) << 46),
-                tensorflow::errors::InvalidArgument(
-                    "moments: a slice of ", n, " elements exceeds the kernel's 2**46 limit"));
+    SliceLayout l;
+    OP_REQUIRES_OK(ctx, LayoutOf("StableCentre", "moments", x, 1, a_.begin, a_.end, false, &l));
     Tensor* out[4];
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out[0]));
-    for (int i = 1; i < 4; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(i, kept, &out[i]));
+    for (int i = 1; i < 4; ++i) OP_REQUIRES_OK(ctx, ctx->allocate_output(i, l.kept, &out[i]));
     const T* xs = x.flat<T>().data();
     T* var = out[1]->flat<T>().data();
     T* mean = out[2]->flat<T>().data();
     T* lo = out[3]->flat<T>().data();
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    const int threads = workers ? workers->num_threads : 1;
-    stable_moments::moments<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, threads);
-    stable_moments::mean_lo<T>(xs, outer, n, inner, 1, a_.ddof, a_.format, mean, var, lo,
+    const int threads = WorkerThreads(ctx);
+    stable_moments::moments<T>(xs, l.outer, l.n, l.inner, 1, a_.ddof, a_.format, mean, var,
                                threads);
-    stable_moments::residuals<T>(xs, outer, n, inner, mean, lo, out[0]->flat<T>().data());
+    stable_moments::mean_lo<T>(xs, l.outer, l.n, l.inner, 1, a_.ddof, a_.format, mean, var, lo,
+                               threads);
+    stable_moments::residuals<T>(xs, l.outer, l.n, l.inner, mean, lo, out[0]->flat<T>().data());
   }
 
  private:
@@ -370,22 +370,11 @@ REGISTER_OP("StableState")
       TF_RETURN_IF_ERROR(c->GetAttr("axis_end", &end));
       TF_RETURN_IF_ERROR(c->GetAttr("l1", &l1));
       TF_RETURN_IF_ERROR(c->GetAttr("l2", &l2));
-      ShapeHandle x = c->input(0);
-      if (!c->RankKnown(x)) {
-        c->set_output(0, c->UnknownShape());
-        return Status();
-      }
-      const int rank = c->Rank(x), data = rank - (parts == 2 ? 1 : 0);
-      if (begin < 0 || begin > end || end > data) {
-        return tensorflow::errors::InvalidArgument("StableState: reduced axes [", begin, ", ",
-                                                   end, ") do not fit rank ", rank);
-      }
       std::vector<tensorflow::shape_inference::DimensionHandle> dims;
-      for (int d = 0; d < data; ++d) {
-        if (d < begin || d >= end) dims.push_back(c->Dim(x, d));
-      }
+      bool known;
+      TF_RETURN_IF_ERROR(KeptDims(c, "StableState", parts, begin, end, false, &dims, &known));
       dims.push_back(c->MakeDim(3 + parts * (l1 + 9) + l2));
-      c->set_output(0, c->MakeShape(dims));
+      c->set_output(0, known ? c->MakeShape(dims) : c->UnknownShape());
       return Status();
     });
 
@@ -407,30 +396,15 @@ class StableStateOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const int parts = layout_.parts;
-    const int rank = x.dims(), data = rank - (parts == 2 ? 1 : 0);
-    OP_REQUIRES(ctx, 0 <= begin_ && begin_ <= end_ && end_ <= data,
-                tensorflow::errors::InvalidArgument("StableState: reduced axes [", begin_,
-                                                    ", ", end_, ") do not fit rank ", rank));
-    OP_REQUIRES(ctx, parts == 1 || x.dim_size(data) == 2,
-                tensorflow::errors::InvalidArgument("StableState: parts 2 needs a last "
-                                                    "dimension 2"));
-    int64_t outer = 1, n = 1, inner = 1;
-    TensorShape shape;
-    for (int d = 0; d < data; ++d) {
-      const int64_t size = x.dim_size(d);
-      (d < begin_ ? outer : d < end_ ? n : inner) *= size;
-      if (d < begin_ || d >= end_) shape.AddDim(size);
-    }
-    OP_REQUIRES(ctx, n < (int64_t(1) << 46),
-                tensorflow::errors::InvalidArgument(
-                    "moments_state: a slice of ", n, " elements exceeds the 2**46 limit"));
+    SliceLayout l;
+    OP_REQUIRES_OK(ctx, LayoutOf("StableState", "moments_state", x, layout_.parts, begin_, end_,
+                                 false, &l));
+    TensorShape shape = l.kept;
     shape.AddDim(layout_.size());
     Tensor* values = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &values));
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    stable_moments::state<T>(x.flat<T>().data(), outer, n, inner, parts, format_, layout_,
-                             values->flat<int32_t>().data(), workers ? workers->num_threads : 1);
+    stable_moments::state<T>(x.flat<T>().data(), l.outer, l.n, l.inner, layout_.parts, format_,
+                             layout_, values->flat<int32_t>().data(), WorkerThreads(ctx));
   }
 
  private:
