@@ -2,7 +2,9 @@
 imported (run by tests/test_deploy.py): usage `_deploy_load.py KIND ARTIFACT INPUT OUTPUT`.
 
 KIND: "savedmodel" (tf.saved_model.load, the "serve" or "serving_default" endpoint, or
-the `f` function of a saved tf.Module) or "jax" (jax.export.deserialize, then call).
+the `f` function of a saved tf.Module), "jax" (jax.export.deserialize, then call) or
+"tflite" (a TensorFlow Lite flatbuffer run by tf.lite.Interpreter, its input resized to
+the input's shape).
 Writes the outputs to OUTPUT (.npz, arrays out_0, out_1, ...).
 """
 
@@ -28,6 +30,19 @@ if kind == "savedmodel":
         out = loaded.serve(tf.constant(x))
     outs = out if isinstance(out, (list, tuple)) else [out]
     outs = [o.numpy() for o in outs]
+elif kind == "tflite":
+    import warnings
+
+    import tensorflow as tf
+
+    warnings.simplefilter("ignore")  # tf.lite.Interpreter's deprecation notice
+    interpreter = tf.lite.Interpreter(model_path=artifact)
+    index = interpreter.get_input_details()[0]["index"]
+    interpreter.resize_tensor_input(index, x.shape)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(index, x)
+    interpreter.invoke()
+    outs = [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()]
 else:
     import jax
     from jax import export

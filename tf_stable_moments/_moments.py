@@ -329,6 +329,35 @@ def _xla_runs(dtype):
         return False
 
 
+def _tflite_moments(parts, axis, ddof, lo=False):
+    """`_slice_moments` for TensorFlow Lite (`portable("tflite")`): float32 operations that
+    TFLite has as builtins, not certified (docs/algorithm.md section 15).  Per part, with
+    k a first estimate of the mean (float16 and bfloat16 data in float32):
+
+        k = mean(x);  mean = k + mean(x - k);  mean_lo = mean(x - mean)
+        var = sum over the parts of sum((x - mean) - mean_lo)**2, / (n - ddof)
+
+    x - k and x - mean are exact wherever the estimate is within a factor 2 of x
+    (Sterbenz), as on data far from zero; each pass leaves only the rounding of its
+    float32 sum of small terms.  undecided is 0."""
+    dtype = parts[0].dtype
+    work = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+    n = tf.cast(tf.shape(parts[0])[axis], work)
+    means, lows, squares = [], [], 0.0
+    for p in parts:
+        x = tf.cast(p, work)
+        k = tf.reduce_mean(x, axis, keepdims=True)
+        mean = k + tf.reduce_mean(x - k, axis, keepdims=True)
+        low = tf.reduce_mean(x - mean, axis, keepdims=True)
+        squares += tf.reduce_sum(tf.square((x - mean) - low), axis)
+        means.append(tf.squeeze(mean, axis))
+        lows.append(tf.squeeze(low, axis))
+    out = [tf.cast(m, dtype) for m in means] + [tf.cast(squares / (n - ddof), dtype)]
+    if lo:
+        out += [tf.cast(v, dtype) for v in lows]
+    return (*out, tf.constant(0, tf.int64))
+
+
 def _slice_moments(parts, axis, ddof, lo=False):
     """Kernel call: (mean per part, var, [mean_lo per part], undecided).
 
@@ -339,6 +368,8 @@ def _slice_moments(parts, axis, ddof, lo=False):
     (with a warning) and plain operations run; if it runs, the error belongs to
     this call and is raised.
     """
+    if _native.tflite_now():
+        return _tflite_moments(parts, axis, ddof, lo)
     if in_xla_context():
         return _inline_kernel(parts, axis, ddof, lo)
     if _use_xla():

@@ -18,6 +18,12 @@ from tf_stable_moments._xla_context import in_xla_context
 
 
 def _certified(*tensors):
+    """float32 operands, outside a `portable("tflite")` trace (TFLite has no float64
+    builtins: the plain expressions there, docs section 15)."""
+    from tf_stable_moments import _native
+
+    if _native.tflite_now():
+        return False
     return all(t is None or tf.as_dtype(t.dtype) == tf.float32 for t in tensors)
 
 

@@ -86,6 +86,13 @@ def portable(enabled=True):
       saved (one traced earlier keeps what it holds: trace it anew in the block).
     portable(False): the native ops even while saving, for a SavedModel that will be
       loaded only where this package is installed (its native kernel serves it faster).
+    portable("tflite"): for TensorFlow Lite, which has neither float64 builtins nor
+      TensorFlow's XLA operations (and whose Python interpreter runs no Select TF op):
+      the statistics and the layers' formulas in float32 operations that TFLite has as
+      builtins (docs/algorithm.md section 15: shifted sums with a correction pass, not
+      certified; about 1e-7 relative on N(1e6, 1) data where keras's layers lose
+      every digit).  Convert inside the block, from the model or from a SavedModel
+      exported in it.
 
     >>> import tensorflow as tf, tf_stable_moments as tsm
     >>> f = tf.function(lambda x: tsm.moments(x, [0]))
@@ -94,8 +101,8 @@ def portable(enabled=True):
     >>> any(op.type.startswith("Stable") for op in graph.get_operations())
     False
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"portable: enabled must be a bool; got {enabled!r}")
+    if not isinstance(enabled, bool) and enabled != "tflite":
+        raise TypeError(f"portable: enabled must be a bool or 'tflite'; got {enabled!r}")
     stack = _portable.__dict__.setdefault("stack", [])
     stack.append(enabled)
     try:
@@ -109,8 +116,15 @@ def portable_now():
     `portable` block says, else whether `tf.saved_model.save` is tracing."""
     stack = getattr(_portable, "stack", None)
     if stack:
-        return stack[-1]
+        return bool(stack[-1])
     return save_context.in_save_context()
+
+
+def tflite_now():
+    """Whether functions traced now are for TensorFlow Lite (the innermost `portable`
+    block is portable("tflite"))."""
+    stack = getattr(_portable, "stack", None)
+    return bool(stack) and stack[-1] == "tflite"
 
 
 def op():
