@@ -1,6 +1,7 @@
 """Exported artifacts hold only standard operations and load where this package is not
 installed (issue #26): `jax.export` (one platform, several, a symbolic batch),
-`tf.saved_model.save`, and Keras `model.export` under `tf_stable_moments.portable`.
+`tf.saved_model.save`, Keras `model.export` under `tf_stable_moments.portable`, and
+TensorFlow Lite flatbuffers converted under `portable("tflite")`.
 
 Each artifact is loaded and served by tests/_deploy_load.py in a fresh process in which
 importing the package fails; its outputs must have the bits of the live computation
