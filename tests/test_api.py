@@ -259,6 +259,7 @@ def test_an_error_of_the_call_itself_is_raised_not_taken_for_missing_xla(monkeyp
 
 
 # ------------------------------------------------------------------ the native kernel
+@pytest.mark.native
 def test_the_native_kernels_are_built_and_serve_cpu_calls():
     """The install (or the first use) builds both libraries: a failed build must not hide
     behind the fallback here, where a compiler and both frameworks' headers exist."""
@@ -281,6 +282,7 @@ def test_the_native_kernels_are_built_and_serve_cpu_calls():
         ((5, 8), [1], False, tf.complex64),
     ],
 )
+@pytest.mark.native
 def test_eager_calls_without_a_tape_are_one_native_op_with_the_bits_of_the_tape_path(
     shape, axes, keepdims, dtype, monkeypatch
 ):
@@ -309,6 +311,7 @@ def test_eager_calls_without_a_tape_are_one_native_op_with_the_bits_of_the_tape_
         assert np.array_equal(bits(f.numpy()), bits(s.numpy()))
 
 
+@pytest.mark.native
 def test_the_native_op_reads_a_range_of_axes_and_differentiates_directly():
     """The op on x itself with reduced axes [1, 3) equals the rank-3 form on the reshaped
     x bit for bit; its registered gradient is 1/n and 2 (x - mean) / (n - ddof)."""
@@ -381,6 +384,7 @@ def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation(formulat
         assert np.array_equal(bits(got), bits(want.ravel())), (x.dtype, x.shape, axes)
 
 
+@pytest.mark.native
 def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
     """The batch statistics and the centred input are one StableCentre op (its gradient
     registered: no custom_gradient of its own) and the stall check one StableStallCheck
@@ -483,6 +487,7 @@ def _instructions(hlo):
     return [line for line in hlo.splitlines() if " = " in line and line.startswith("  ")]
 
 
+@pytest.mark.native
 def test_under_jit_compile_on_the_cpu_the_layer_is_two_custom_calls():
     """Inside a user's XLA computation on the CPU the native kernels run as XLA custom
     calls: a BN training step holds one call for mean, variance and mean_lo and one for
@@ -520,6 +525,7 @@ def _formulas_hlo(shape=(8, 8, 8, 128)):
     return fn.experimental_get_compiler_ir(tf.TensorSpec(shape), *channels)("hlo")
 
 
+@pytest.mark.native
 def test_under_jit_compile_with_an_accelerator_the_xla_kernel_serves(monkeypatch):
     """The custom calls are registered for the CPU: where an accelerator is visible (XLA
     would compile for it) the XLA kernel is built into the computation instead."""
@@ -554,6 +560,7 @@ def test_under_jit_compile_with_an_accelerator_the_xla_kernel_serves(monkeypatch
     ],
     ids=["reduced-unknown", "kept-unknown", "three-chunks", "complex", "transposed"],
 )
+@pytest.mark.native
 def test_under_jit_compile_unknown_lengths_take_the_native_custom_call(shape, axes, spec, dtype):
     """The custom call's result shapes are fixed when the graph is traced: with the kept
     axes unknown then (a LayerNormalization's batch under Keras fit), it runs on chunks

@@ -132,6 +132,7 @@ def test_jax_one_export_for_cpu_and_gpu_chooses_per_platform():
 
 
 @pytest.mark.parametrize("platforms", [("cuda",), ("tpu",)], ids=lambda p: p[0])
+@pytest.mark.native
 def test_jax_stall_check_lowered_for_a_device_holds_no_native_call(platforms):
     """The layers' stall check (one FFI call on the CPU) passes the moving mean through
     in a computation lowered for a device: no host call there."""

@@ -21,6 +21,8 @@ from datasets import oracle
 import jax_kernel
 from jax_kernel import _moments, _native
 
+pytestmark = pytest.mark.native  # tests of the native kernel (see tests/conftest.py)
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FULL = os.environ.get("TF_STABLE_MOMENTS_NATIVE_FULL") == "1"
 
