@@ -136,6 +136,11 @@ def available():
     return load() is not None
 
 
+def _format_attrs(fmt):
+    """The FFI attributes of the target format (moments_core._formats.Format)."""
+    return {name: np.int64(getattr(fmt, name)) for name in ("precision", "emin", "emax")}
+
+
 def moments_call(x, ddof, fmt):
     """The FFI call on x [..., n, inner, parts] (float32 or float64, parts 1 or 2).
 
@@ -164,9 +169,7 @@ def moments_call(x, ddof, fmt):
         return call(
             x,
             ddof=np.int64(ddof),
-            precision=np.int64(fmt.precision),
-            emin=np.int64(fmt.emin),
-            emax=np.int64(fmt.emax),
+            **_format_attrs(fmt),
         )
 
 
@@ -184,9 +187,7 @@ def mean_lo_call(x, mean, var, ddof, fmt):
             mean,
             var,
             ddof=np.int64(ddof),
-            precision=np.int64(fmt.precision),
-            emin=np.int64(fmt.emin),
-            emax=np.int64(fmt.emax),
+            **_format_attrs(fmt),
         )
 
 
@@ -203,9 +204,7 @@ def state_call(x, fmt, l1, l2):
         call = jax.ffi.ffi_call(STATE_TARGET, out, vmap_method="broadcast_all")
         return call(
             x,
-            precision=np.int64(fmt.precision),
-            emin=np.int64(fmt.emin),
-            emax=np.int64(fmt.emax),
+            **_format_attrs(fmt),
             l1=np.int64(l1),
             l2=np.int64(l2),
         )
@@ -227,9 +226,7 @@ def state_moments_call(values, ddof, fmt, parts, l1, l2, carrier):
         return call(
             values,
             ddof=np.int64(ddof),
-            precision=np.int64(fmt.precision),
-            emin=np.int64(fmt.emin),
-            emax=np.int64(fmt.emax),
+            **_format_attrs(fmt),
             l1=np.int64(l1),
             l2=np.int64(l2),
         )

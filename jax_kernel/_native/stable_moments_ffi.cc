@@ -24,6 +24,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The target format from a call's attributes (precision, emin, emax).
+stable_moments::Format FormatOf(int64_t precision, int64_t emin, int64_t emax) {
+  stable_moments::Format f;
+  f.precision = static_cast<int>(precision);
+  f.emin = static_cast<int>(emin);
+  f.emax = static_cast<int>(emax);
+  return f;
+}
+
 
 // groups calls of the kernel, each on outer / groups consecutive blocks of x.
 template <typename T>
@@ -78,10 +87,7 @@ ffi::Error StableMomentsImpl(ffi::AnyBuffer x, int64_t ddof, int64_t precision, 
     return ffi::Error::InvalidArgument(
         "stable_moments: undecided must be s64 with a count of elements dividing outer");
   }
-  stable_moments::Format f;
-  f.precision = static_cast<int>(precision);
-  f.emin = static_cast<int>(emin);
-  f.emax = static_cast<int>(emax);
+  const stable_moments::Format f = FormatOf(precision, emin, emax);
   int64_t* counts = undecided->typed_data<int64_t>();
   switch (x.element_type()) {
     case ffi::DataType::F32:
@@ -117,10 +123,7 @@ ffi::Error StableMeanLoImpl(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffe
       lo->element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument("stable_mean_lo: shapes or dtypes do not match x");
   }
-  stable_moments::Format f;
-  f.precision = static_cast<int>(precision);
-  f.emin = static_cast<int>(emin);
-  f.emax = static_cast<int>(emax);
+  const stable_moments::Format f = FormatOf(precision, emin, emax);
   const int p = static_cast<int>(parts);
   switch (x.element_type()) {
     case ffi::DataType::F32:
@@ -160,10 +163,7 @@ ffi::Error StableStateImpl(ffi::AnyBuffer x, int64_t precision, int64_t emin, in
     return ffi::Error::InvalidArgument("moments_state: a slice of " + std::to_string(n) +
                                        " elements exceeds the 2**46 limit");
   }
-  stable_moments::Format f;
-  f.precision = static_cast<int>(precision);
-  f.emin = static_cast<int>(emin);
-  f.emax = static_cast<int>(emax);
+  const stable_moments::Format f = FormatOf(precision, emin, emax);
   int32_t* out = values->typed_data<int32_t>();
   const int threads = stable_moments::machine_threads();
   switch (x.element_type()) {
@@ -212,10 +212,7 @@ ffi::Error StableStateMomentsImpl(ffi::AnyBuffer values, int64_t ddof, int64_t p
       count != slices * s.size() || mean->element_type() != var->element_type() || ddof < 0) {
     return ffi::Error::InvalidArgument("stable_state_moments: shapes or dtypes do not match");
   }
-  stable_moments::Format f;
-  f.precision = static_cast<int>(precision);
-  f.emin = static_cast<int>(emin);
-  f.emax = static_cast<int>(emax);
+  const stable_moments::Format f = FormatOf(precision, emin, emax);
   const int32_t* d = values.typed_data<int32_t>();
   switch (mean->element_type()) {
     case ffi::DataType::F32:

@@ -1665,7 +1665,7 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
         total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     };
-    const int64_t chunks = std::min<int64_t>(outer, 4 * (helpers + 1));
+    const int64_t chunks = helpers ? std::min<int64_t>(outer, 4 * (helpers + 1)) : 1;
     if (chunks <= 1) {
       rows(0, outer);
     } else {
