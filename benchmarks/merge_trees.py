@@ -205,9 +205,10 @@ def _certified_fn(devices, given):
     """The certified merge (docs section 13b, `moments_core._kernel.merge_fast`) of every
     device's part x[d] (selected by where[d]), the devices simulated by `jax.vmap` over an
     axis "i", compiled once: (x, where, total) -> (mean, var, todo) as every device
-    computed them, and the rows each device all-reduces (its s1, s2, d1, d2, |s1| and
-    count).  given: the all-reduce SUM returns `total` (the global rows as some tree
-    summed them) to every device; else it is a psum."""
+    computed them, and the values each device all-reduces (its s1, s2, d1, d2, the
+    smallest magnitude's exponent term and count, flat).  given: the all-reduce SUM
+    returns `total` (the global values as some tree summed them) to every device; else
+    it is a psum."""
     import jax
     import jax.numpy as jnp
 
@@ -219,12 +220,9 @@ def _certified_fn(devices, given):
     def device(xd, wd, total):
         captured = []
 
-        def reduce(rows):  # the all-reduce SUM of the rows [6, channels]
+        def reduce(rows):  # the all-reduce SUM of the rows, flat [6 * channels]
             captured.append(rows)
             return total if given else jax.lax.psum(rows, "i")
-
-        def minimum(a):  # the MIN: exact in any order
-            return jax.lax.pmin(a, "i")
 
         count = jnp.sum(wd, 0).astype(jnp.int64)
         mean, var, todo, _ = _kernel.merge_fast(
@@ -234,7 +232,6 @@ def _certified_fn(devices, given):
             FORMATS["float32"],
             _leader_sum("i", None),
             reduce,
-            minimum,
             devices,
             count,
             wd,
@@ -268,7 +265,7 @@ def run_certified(devices=1000, rows=48, channels=4, seed=0, verbose=True):
     selected = flat_x[flat_w[:, 0]]
     exact = [_oracle(selected[:, j], 0) for j in range(channels)]
     oracle = [np.array([e[i] for e in exact], np.float32) for i in (0, 1)]
-    parts = list(local)  # [devices] of [6, channels] float64
+    parts = list(local)  # [devices] of [6 * channels] float64
     rng = np.random.default_rng(seed + 2)
     trees = {"chain": _chain(parts, np.add, rng), "binary": _binary(parts, np.add, rng)}
     for i in range(3):

@@ -43,10 +43,6 @@ def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
 
-    def all_min(t):  # magnitudes of inputs (or inf): float32 values, sent as such
-        t32 = t.astype(jnp.float32)
-        return jax.lax.pmin(t32, axis_name, axis_index_groups=groups).astype(jnp.float64)
-
     def exact_states():
         state = all_sum(_state_api.moments_state(x, axes, where=mask))
         return _state_api.state_moments(state, ddof)
@@ -62,7 +58,7 @@ def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
         count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
         shift = _leader_sum(axis_name, groups)
         m64, v64, todo, _ = _kernel.merge_fast(
-            _ops, laid, axis, fmt, shift, all_sum, all_min, size, count, valid, ddof
+            _ops, laid, axis, fmt, shift, all_sum, size, count, valid, ddof
         )
         opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
 

@@ -991,58 +991,97 @@ def _special_rows(ops, special, means, var):
 
 
 # ---------------------------------------------------------------- merged fast path (section 13b)
-def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask=None, ddof=0):
-    """The fast path across replicas (section 13b): (mean, var, todo) of the union of the
-    slices that every replica holds a part of, the same on every replica.
+def merge_fast(ops, x, axis, fmt, shift, reduce, replicas, n=None, mask=None, ddof=0):
+    """The fast path across replicas (section 13b): (mean, var, todo, n) of the union of
+    the slices that every replica holds a part of, the same on every replica.
 
     x: this replica's part, 2-D in the layout (a format of precision <= 24: float64 sums);
     shift(k, has): K per slice from this replica's first selected elements k (has: whether
-    it has one), the same on every replica (a collective); reduce(a) and minimum(a): the
-    SUM and the MIN of a [rows, kept] float64 array over the replicas (all-reduces);
+    it has one), the same on every replica (a collective); reduce(a): the SUM of a float64
+    array over the replicas (an all-reduce that gives every replica the same values);
     replicas: how many there are (static).  n: None (every replica holds the static
-    length) or this replica's count per slice (mask: its selection).  Each replica sums
-    y = x - K and y**2 as `approximate` does and bounds their errors by d1, d2; one SUM
-    adds (s1, s2, d1, d2, |s1|, n), one MIN gives the smallest |x| (the lattice of section
-    5); the sum of R float64 values in any order errs by gamma_(R-1) times the sum of
-    their magnitudes.  Then the rounding test of one device on the global sums.
-    todo: the slices it leaves open (exact states decide them); n: the global count
-    (a Python int, or an int64 scalar or [kept] array).
+    length), this replica's count as a scalar (the same for every slice), or per slice
+    (mask: its selection).  The steps between the collectives are `merge_first`,
+    `merge_rows` and `merge_decide` (TensorFlow compiles each as an XLA computation).
+    todo: the slices it leaves open (exact states decide them), computed from reduced
+    values alone, so the same on every replica; n: the global count (a Python int, or an
+    int64 scalar or [kept] array).
     """
+    first, has = merge_first(ops, x, axis, fmt, n, mask)
+    k = shift(first, has)
+    reduced = reduce(merge_rows(ops, x, axis, fmt, k, n, mask))
+    count = ops.shape(x, axis) * replicas if n is None else None
+    return merge_decide(ops, reduced, k, fmt, replicas, _count_kind(n), count, ddof)
+
+
+def _count_kind(n):
+    """How merge_rows sends the count: None (static), "scalar" (one value) or "slice"."""
+    if n is None:
+        return None
+    return "scalar" if len(getattr(n, "shape", ())) == 0 else "slice"
+
+
+def merge_first(ops, x, axis, fmt, n=None, mask=None):
+    """(first, has): per slice this replica's first selected element (flushed, float64;
+    0 where it has none) and whether it has one (None without a selection)."""
+    x = flush(ops, x, fmt)
+    if mask is None:  # with n, a length that may be 0 (dynamic: 0 for an empty part)
+        return ops.squeeze(first_element(ops, x, axis, dynamic=n is not None), axis), None
+    first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, 0.0), axis)
+    return first, ops.any(mask, axis)
+
+
+def merge_rows(ops, x, axis, fmt, k, n=None, mask=None):
+    """This replica's share of the SUM, flat float64: per slice s1 ~ sum (x - K), s2 ~
+    sum (x - K)**2, their bounds d1, d2 (`approximate`'s), the term of its smallest |x|
+    (`_min_exponent_term`), then its count (per slice, or one value: `_count_kind`)."""
     size = ops.shape(x, axis)
     terms = float(size) if n is None else ops.cast(n, "float64")
     x, magnitude = flush(ops, x, fmt, magnitude=True)
-    if mask is None:  # with n, a length that may be 0 (dynamic: 0 for an empty part)
-        first = ops.squeeze(first_element(ops, x, axis, dynamic=n is not None), axis)
-        has = None
-    else:
-        first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, 0.0), axis)
-        has = ops.any(mask, axis)
-        magnitude = ops.where(mask, magnitude, float("inf"))
-    k = shift(first, has)
     y = x - ops.expand_dims(k, axis)
     if mask is not None:
+        magnitude = ops.where(mask, magnitude, float("inf"))
         y = ops.where(mask, y, ops.zeros_like(y))
     s1, s2, smallest, depth = block_sums(ops, y, y * y, magnitude, axis, terms)
     b_up = s2 * (1.0 + 2.0 * depth(2)) * MARGIN
     d1 = depth(1) * ops.sqrt(terms * b_up) * MARGIN * MARGIN
     d2 = depth(2) * b_up
-    rows = [s1, s2, d1, d2, ops.abs(s1)]
-    if n is not None:
+    rows = [s1, s2, d1, d2, _min_exponent_term(ops, smallest)]
+    kind = _count_kind(n)
+    if kind == "slice":
         rows.append(terms)
-    total = reduce(ops.stack(rows, 0))
-    smallest = minimum(ops.expand_dims(smallest, 0))[0]
+    flat = ops.reshape(ops.stack(rows, 0), [-1])
+    if kind == "scalar":
+        flat = ops.concat([flat, ops.reshape(terms, [1])], 0)
+    return flat
+
+
+def merge_decide(ops, reduced, k, fmt, replicas, kind, count=None, ddof=0):
+    """(mean, var, todo, n) from the SUM of every replica's `merge_rows` (the same values
+    on every replica) and the shared shift k: the rounding test of one device on the
+    global sums.  kind: `_count_kind` of the rows' count; count: the global count when
+    static (kind None)."""
+    kept = ops.shape(k, 0)
+    width = 6 if kind == "slice" else 5
+    total = ops.reshape(reduced[: width * kept], [width, kept])
     s1, s2 = total[0], total[1]
+    smallest = _min_exponent(ops, total[4])
     g = gamma(float(replicas - 1)) if replicas > 1 else 0.0
     up = (1.0 + 2.0 * g) * MARGIN  # a computed sum of R non-negative terms, rounded up
-    d1 = (total[2] + g * total[4]) * up * up
+    if kind is not None:
+        count = ops.cast(reduced[-1] if kind == "scalar" else total[5], "int64")
+    c = counts(ops, count, ddof)
     d2 = (total[3] + g * s2) * up * up
-    c = counts(ops, size * replicas if n is None else ops.cast(total[5], "int64"), ddof)
+    # sum_r |s1_r| <= sum_r |A_r| + sum_r d1_r, and sum_r |A_r| <= sum_r sqrt(n_r B_r)
+    # <= sqrt(n B) (Cauchy-Schwarz twice), B <= S2 + d2: the all-reduce's error in S1
+    # needs no row of its own.
+    b_up = (s2 + d2) * MARGIN
+    a_abs = ops.sqrt(c.nf * b_up) * MARGIN
+    d1 = (total[2] + g * (a_abs + total[2] * up)) * up * up
     bad = ~ops.isfinite(s1) | ~ops.isfinite(s2) | ~ops.isfinite(d1) | ~ops.isfinite(d2)
     # The lattice (section 5) of the union: every x, every y = x - K (K is an x) and every
     # partial sum on any replica and in the all-reduce is a multiple of q below the
     # global bounds, so the global sums are exact where `_lattice` says so.
-    b_up = (s2 + d2) * MARGIN
-    a_abs = ops.sqrt(c.nf * b_up) * MARGIN
     unit, exact, exact_mean = _lattice(ops, smallest, b_up, a_abs, c.nf, bad, fmt, 52)
     d2 = ops.where(exact, 0.0, d2)
     d1 = ops.where(exact_mean, 0.0, d1)
@@ -1052,6 +1091,27 @@ def merge_fast(ops, x, axis, fmt, shift, reduce, minimum, replicas, n=None, mask
     ok = _with_variance(ops, ok, ok_var, c, ddof)
     (mean,), var = _special_counts(ops, [mean], var, c, ddof)
     return mean, var, ~(ok & ~bad), c.n
+
+
+# The smallest |x| of the union through the SUM (section 13b): a replica whose smallest
+# nonzero |x| has exponent e (|e| <= 127 in every format of precision <= 24) sends
+# 2**(8 (-e)), none 0.  The largest term, 2**(8 v) with v = -min e, is at most the sum,
+# and R terms sum to less than 2**8 of it for R < 256 (with the rounding of any order):
+# floor(log2 sum / 8) = v exactly.  More replicas can only give a larger v: a smaller q,
+# a lattice on which every x still lies (section 5), checked less often.
+_MIN_SPACING = 8
+
+
+def _min_exponent_term(ops, smallest):
+    e = exponent(ops, smallest)  # smallest: a normal magnitude of the format, or inf
+    term = pow2(ops, ops.minimum(ops.maximum(-_MIN_SPACING * e, -1016), 1016))
+    return ops.where(ops.isfinite(smallest), term, 0.0)
+
+
+def _min_exponent(ops, total):
+    """2**(min e) from the SUM of `_min_exponent_term`s (inf where no replica has one)."""
+    v = ops.shr(exponent(ops, total), _MIN_SPACING.bit_length() - 1)  # floor division
+    return ops.where(total > 0.0, pow2(ops, -v), float("inf"))
 
 
 def _first_selected(ops, mask, axis):
@@ -1072,7 +1132,17 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     reduce: None, or a function applied to the per-slice fixed-point sums (an all-reduce
     SUM over replicas that hold parts of the slices; mean, var and n are then those of
     the union): the sums are integers below 2**53, so the result has the same bits.
+    The steps around that collective are `mean_lo_sums` and `mean_lo_round`.
     """
+    total, shift, ok = mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n, mask)
+    if reduce is not None:
+        total = reduce(total)
+    return mean_lo_round(ops, total, shift, ok, ops.shape(x, axis) if n is None else n, fmt)
+
+
+def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
+    """(total, shift, ok): the fixed-point sums of `mean_lo` (exact, below 2**53), their
+    scale 2**shift and where they are defined."""
     size = ops.shape(x, axis)
     count = size if n is None else n
     c = counts(ops, count, ddof)
@@ -1094,10 +1164,12 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     nb = _nbits(ops, c)
     shift = ops.minimum(ops.maximum(half + nb - 52, -1000), 1000)
     scaled = ops.round(d * ops.expand_dims(pow2(ops, -shift), axis))
-    total = ops.exact_sum(scaled, axis)  # exact: |total| < 2**53, in any order
-    if reduce is not None:
-        total = reduce(total)
-    lo = total * pow2(ops, shift) * c.rn[0]
+    return ops.exact_sum(scaled, axis), shift, ok  # exact: |total| < 2**53, in any order
+
+
+def mean_lo_round(ops, total, shift, ok, n, fmt):
+    """mean_lo from the (all-reduced) fixed-point sums: total 2**shift / n, to the format."""
+    lo = total * pow2(ops, shift) * counts(ops, n, 0).rn[0]
     return ops.where(ok, round_to(ops, lo, fmt), 0.0)
 
 

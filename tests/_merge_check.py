@@ -86,13 +86,8 @@ def run(x, mask, devices):
             def all_sum(t):
                 return jax.lax.psum(t, "i")
 
-            def all_min(t):
-                return jax.lax.pmin(t, "i")
-
             shift = _union._leader_sum("i", None)
-            todo = _kernel.merge_fast(
-                _ops, laid, axis, fmt, shift, all_sum, all_min, devices, count, m
-            )[2]
+            todo = _kernel.merge_fast(_ops, laid, axis, fmt, shift, all_sum, devices, count, m)[2]
         return mean[None], lo[None], var[None], todo[None]
 
     ms = np.ones(x.shape, bool) if mask is None else mask

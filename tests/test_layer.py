@@ -650,15 +650,12 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     scale = np.abs(out["single_hvp"]).max()
     np.testing.assert_allclose(out["sync_hvp"], out["single_hvp"], rtol=0, atol=1e-6 * scale)
     # Communication is independent of the batch (docs section 13b): replica 0's collectives
-    # per call of the statistics are the certified merge's: the replicas' one-hot flags
-    # [R] (which has rows), the shift [C] (float32: an input), the sums and bounds [6, C]
-    # (float64), an all-gather of the smallest |x| (its shapes first: [1, 2] int32; then
-    # [1, C] float32, shape known when it runs: -1), the open flags [C], the open slices'
-    # packed states
-    # (their number known when it runs: none here); then the float64 mean_lo sums [C]
-    # (unmasked) or a second call (masked: its selected counts [C] int64 after the first);
-    # the [3, 4] backward.
-    merge = [(0, 8, 2), (0, 4, 4), (0, 8, 24), (1, 4, 2), (1, 4, -1), (0, 8, 4), (0, 8, -1)]
+    # per call of the statistics are the certified merge's: the shift [C] (float32: an
+    # input), the sums, bounds and smallest-magnitude exponent terms [5, C] with the count,
+    # flat (float64: 5 C + 1), the open slices' packed states (their number known when it
+    # runs: none here); then the float64 mean_lo sums [C] (unmasked) or a second call
+    # (masked: its selected counts [C] int64 after the first); the [3, 4] backward.
+    merge = [(0, 4, 4), (0, 8, 21), (0, 8, -1)]
     expected = {
         "plain": merge + [(0, 8, 4), (0, 4, 12)],
         "masked": merge + [(0, 8, 4)] + merge + [(0, 4, 12)],

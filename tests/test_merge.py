@@ -96,6 +96,42 @@ def test_only_the_slices_no_bound_decides_take_the_exact_round_on_every_device(m
     assert np.isnan(special["var"][0][2]) and np.isnan(special["var"][0][5])
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 8, 255, 1000])
+def test_the_smallest_magnitude_rides_in_the_sum_exactly_below_256_replicas(replicas):
+    """Each replica's 2**(8 (-e)) (e: the exponent of its smallest |x|, or nothing), summed
+    in any order, gives 2**(min e) exactly for R < 256; with more, a power of two no
+    larger and at most 2 binades smaller (a finer lattice, still valid: section 13b)."""
+    import jax
+
+    from jax_kernel import _ops
+    from moments_core import _kernel
+
+    rng = np.random.default_rng(replicas)
+    with jax.enable_x64(True):
+        for trial in range(20):
+            e = rng.integers(-126, 128, replicas)
+            if trial % 4 == 0:  # exponents piled up at the minimum: the sum's worst case
+                e[:] = e.min()
+            smallest = np.ldexp(1.0 + rng.random(replicas), e)
+            if trial % 5 == 1:
+                smallest[rng.random(replicas) < 0.5] = np.inf  # replicas with no nonzero x
+            terms = np.asarray(_kernel._min_exponent_term(_ops, jnp.asarray(smallest)))
+            for order in (terms, terms[::-1], rng.permutation(terms)):
+                total = 0.0
+                for t in order:
+                    total += t
+                got = float(_kernel._min_exponent(_ops, jnp.asarray([total]))[0])
+                finite = smallest[np.isfinite(smallest)]
+                if not finite.size:
+                    assert got == np.inf
+                    continue
+                want = 2.0 ** int(np.floor(np.log2(finite.min())))
+                if replicas < 256:
+                    assert got == want, (trial, got, want)
+                else:
+                    assert want / 4 <= got <= want, (trial, got, want)
+
+
 def test_mean_lo_has_the_bits_of_one_device_holding_everything(merged):
     for name, case in merged.items():
         if "single_mean_lo" not in case:

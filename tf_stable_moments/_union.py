@@ -14,6 +14,7 @@ from moments_core import _kernel
 from moments_core._formats import FORMATS
 from tf_stable_moments import _moments, _ops
 from tf_stable_moments import _state as state_api
+from tf_stable_moments._xla_context import in_xla_context
 
 __all__ = ["moments"]
 
@@ -92,54 +93,104 @@ def global_stats(all_sum, v, axes, lo, extra=None, all_gather=None, replica=None
         laid, axis = _moments._layout(v, axes)
         m64 = tf.cast(tf.reshape(mean, [-1]), tf.float64)
         v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
-        mean_lo = _kernel.mean_lo(_ops.PLAIN, laid, axis, m64, v64, ddof, fmt, n, reduce=all_sum)
+        n = tf.cast(n, tf.int64)
+        key = (axis, ddof, v.dtype)
+
+        def sums(ops, x, m, w, count):
+            return _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
+
+        def rounded(ops, total, shift, ok, count):
+            return _kernel.mean_lo_round(ops, total, shift, ok, count, fmt)
+
+        spec = [_matrix(v.dtype), _vector(tf.float64), _vector(tf.float64), _scalar(tf.int64)]
+        total, shift, ok = _phase(("lo_sums", *key), sums, (laid, m64, v64, n), spec)
+        spec = [_vector(tf.float64), _vector(tf.int64), _vector(tf.bool), _scalar(tf.int64)]
+        mean_lo = _phase(("lo_round", *key), rounded, (all_sum(total), shift, ok, n), spec)
         mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
     return mean, mean_lo, var, n, summed_extra
 
 
+def _matrix(dtype):
+    return tf.TensorSpec([None, None], dtype)
+
+
+def _vector(dtype):
+    return tf.TensorSpec([None], dtype)
+
+
+def _scalar(dtype):
+    return tf.TensorSpec([], dtype)
+
+
+def _phase(key, fn, args, spec):
+    """fn(ops, *args), the local work between two collectives, as an XLA computation of
+    its own (traced once per TensorFlow context and key, compiled per shape; inlined where
+    XLA compiles the caller), or on plain operations where XLA is switched off.  Run as
+    plain operations, the merge's steps were about 1,500 TensorFlow operations per replica
+    and call, each dispatched on its own (benchmarks/sync.py: the step's time)."""
+    if not _moments._use_xla():
+        return fn(_ops.PLAIN, *args)
+    jit = None if in_xla_context() else True
+    compiled = _moments._compiled(("union", *key), lambda *a: fn(_ops.XLA, *a), spec, jit)
+    return compiled(*args)
+
+
 def _merged_moments(all_sum, all_gather, replica, v, axes, fmt, ddof=0):
     """(mean, var, n) of the global batch of v by the certified merge (docs section 13b)
-    in a replica context: the shift of the first replica with rows (an all-reduce of
-    one-hot flags finds it, one in which it alone contributes sends it), one all-reduce
-    of the fast sums and bounds, an all-gather of the smallest magnitudes (tf.distribute
-    reduces by SUM and MEAN only).  tf.distribute allows no collective inside tf.cond,
-    so the second round always runs, on the slices left open alone (a dynamic number,
-    the same on every replica: an all-reduce of the open flags; none on decided data):
-    their exact states, all-reduced."""
+    in a replica context: the shift of replica 0 (an all-reduce in which it alone
+    contributes; 0 if it has no rows), one all-reduce of the fast sums, bounds, the
+    smallest magnitudes' exponents and the count.  tf.distribute allows no collective
+    inside tf.cond, so the second round always runs, on the slices left open alone (none
+    on decided data): their exact states, all-reduced.  Every replica computes the open
+    slices from the reduced values alone, so all gather the same ones."""
+    del all_gather  # the smallest magnitudes ride in the SUM (section 13b)
     rid, replicas = replica
     laid, axis = _moments._layout(v, axes)
     size = tf.shape(laid, out_type=tf.int64)[axis]
-    kept = tf.shape(laid)[1 - axis]
 
     def shift(k, has):
-        flags = all_sum(tf.one_hot(rid, replicas, dtype=tf.float64) * tf.cast(size > 0, tf.float64))
-        leader = tf.argmax(tf.cast(flags > 0, tf.int32), output_type=tf.int32)
         # K is an input of a format of precision <= 24: sent as float32 (4 bytes a slice).
-        k32 = tf.cast(tf.where(tf.equal(leader, rid), k, tf.zeros_like(k)), tf.float32)
+        k32 = tf.cast(tf.where(tf.equal(rid, 0), k, tf.zeros_like(k)), tf.float32)
         return tf.cast(all_sum(k32), tf.float64)
 
-    def minimum(a):  # magnitudes of inputs (or inf): float32 values, gathered as such
-        gathered = tf.cast(all_gather(tf.cast(a, tf.float32)), tf.float64)
-        return tf.reduce_min(gathered, 0, keepdims=True)
+    first, _ = _kernel.merge_first(_ops.PLAIN, laid, axis, fmt, size)
+    k = shift(first, None)
+    key = (axis, ddof, v.dtype, replicas)
 
-    n_local = tf.fill([kept], size)
-    m64, v64, todo, n = _kernel.merge_fast(
-        _ops.PLAIN, laid, axis, fmt, shift, all_sum, minimum, replicas, n_local, ddof=ddof
-    )
-    # The second round: the open slices of any replica (all replicas alike).
-    opened = tf.where(all_sum(tf.cast(todo, tf.float64)) > 0)[:, 0]
-    part = tf.gather(laid, opened, axis=1 - axis)
-    state = state_api.moments_state(part, [axis])
-    width = state.values.shape[-1]
-    summed = all_sum(pack(state.values))
-    exact = state_api.MomentsState(unpack(summed, width), state.dtype)
-    em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact, ddof))
-    where = tf.expand_dims(opened, 1)
-    m64 = tf.tensor_scatter_nd_update(m64, where, em)
-    v64 = tf.tensor_scatter_nd_update(v64, where, ev)
+    def rows(ops, x, k, count):
+        return _kernel.merge_rows(ops, x, axis, fmt, k, count)
+
+    def decide(ops, reduced, k):
+        return _kernel.merge_decide(ops, reduced, k, fmt, replicas, "scalar", None, ddof)
+
+    spec = [_matrix(v.dtype), _vector(tf.float64), _scalar(tf.int64)]
+    flat = _phase(("rows", *key), rows, (laid, k, size), spec)
+    spec = [_vector(tf.float64), _vector(tf.float64)]
+    m64, v64, todo, n = _phase(("decide", *key), decide, (all_sum(flat), k), spec)
+    # The second round: the open slices (the same on every replica).  Its collective always
+    # runs (on no slice where all are decided); the local work around it only if needed.
+    width = state_api.state_size(v.dtype)
+    any_open = tf.reduce_any(todo)
+
+    def local_states():
+        part = tf.gather(laid, tf.where(todo)[:, 0], axis=1 - axis)
+        return pack(state_api.moments_state(part, [axis]).values)
+
+    empty = tf.zeros([0, (width + 1) // 2], tf.int64)
+    summed = all_sum(tf.cond(any_open, local_states, lambda: empty))
+
+    def fixed():
+        exact = state_api.MomentsState(unpack(summed, width), v.dtype)
+        em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact, ddof))
+        where = tf.expand_dims(tf.where(todo)[:, 0], 1)
+        return tf.tensor_scatter_nd_update(m64, where, em), tf.tensor_scatter_nd_update(
+            v64, where, ev
+        )
+
+    m64, v64 = tf.cond(any_open, fixed, lambda: (m64, v64))
     shape = tf.gather(tf.shape(v), [a for a in range(v.shape.rank) if a not in axes])
     mean, var = (tf.reshape(tf.cast(t, v.dtype), shape) for t in (m64, v64))
-    return mean, var, tf.reshape(n, [-1])[0]
+    return mean, var, n
 
 
 def _expand(t, axes):
