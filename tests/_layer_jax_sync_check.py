@@ -8,7 +8,9 @@ N(1e6, 1), 4 channels, with and without a mask, runs on one device (no
 distribution) and under keras.distribution.DataParallel over 8 virtual CPU
 devices (8 rows each); one jitted training step per case (stateless_call: the
 output, the updated moving statistics, the gradients of sum(y * y * weights)
-with respect to the input, gamma and beta).  Also written: the collectives of
+with respect to the input, gamma and beta).  An uneven batch (61 rows, with and without
+a mask: padded to 64 inside the layer, the padding left out of every sum) runs the
+same way.  Also written: the collectives of
 the compiled sharded step (kind and element count) and the maximum error of
 keras's BatchNormalization against the exact normalisation of the same data under
 the same distribution (keras refuses synchronized=True on JAX: its layer under
@@ -36,6 +38,7 @@ from tf_stable_moments import StableBatchNormalization  # noqa: E402
 from tf_stable_moments._oracle import exact_value  # noqa: E402
 
 ROWS, CHANNELS = 64, 4
+UNEVEN = 61  # a batch that 8 devices do not divide
 KEYS = ("y", "moving", "grad", "grad_vars")
 
 
@@ -89,12 +92,15 @@ def main(dst):
     x = rng.normal(1e6, 1, size=(ROWS, CHANNELS)).astype(np.float32)
     masks = {"plain": None, "masked": rng.random(ROWS) < 0.7}
     weights = rng.normal(size=(ROWS, CHANNELS)).astype(np.float32)
+    uneven = {"uneven": None, "uneven_masked": masks["masked"][:UNEVEN]}
     out = {}
-    for case, mask in masks.items():  # one device, jitted (XLA's 1 / sqrt: rsqrt in both)
+    cases = [(c, x, m, weights) for c, m in masks.items()]
+    cases += [(c, x[:UNEVEN], m, weights[:UNEVEN]) for c, m in uneven.items()]
+    for case, data, mask, w in cases:  # one device, jitted (XLA's 1 / sqrt: rsqrt in both)
         layer = _layer()
         trainable = [v.value for v in layer.trainable_variables]
         non_trainable = [v.value for v in layer.non_trainable_variables]
-        results = _step(layer)(trainable, non_trainable, x, mask, weights)
+        results = _step(layer)(trainable, non_trainable, data, mask, w)
         out.update({f"{case}_single_{k}": np.asarray(v) for k, v in zip(KEYS, results)})
 
     distribution = keras.distribution.DataParallel(devices=jax.devices())
@@ -114,6 +120,19 @@ def main(dst):
             out[f"{case}_collectives"] = _collectives(compiled.as_text())
             results = compiled(*args)
             assert len(results[0].sharding.device_set) == 8, results[0].sharding
+            out.update({f"{case}_sync_{k}": np.asarray(v) for k, v in zip(KEYS, results)})
+        for case, mask in uneven.items():  # 61 rows: no even sharding; the layer pads
+            layer = _layer()
+            args = [
+                [v.value for v in layer.trainable_variables],
+                [v.value for v in layer.non_trainable_variables],
+                x[:UNEVEN],
+                mask,
+                weights[:UNEVEN],
+            ]
+            compiled = _step(layer).lower(*args).compile()
+            out[f"{case}_collectives"] = _collectives(compiled.as_text())
+            results = compiled(*args)
             out.update({f"{case}_sync_{k}": np.asarray(v) for k, v in zip(KEYS, results)})
         keras_bn = keras.layers.BatchNormalization(momentum=0.5)  # synchronized=True: refused
         keras_bn.build((None, CHANNELS))

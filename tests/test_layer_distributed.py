@@ -34,7 +34,8 @@ def _same_bits(a, b, label):
 
 
 def test_jax_data_parallel_matches_one_device(tmp_path):
-    """8 devices x 8 rows under DataParallel == 64 rows on one device (a jitted step each)."""
+    """8 devices x 8 rows under DataParallel == 64 rows on one device (a jitted step each);
+    61 rows (padded to 8 x 8 in the layer) == 61 rows on one device."""
     path = tmp_path / "jax_sync.npz"
     script = HERE / "_layer_jax_sync_check.py"
     proc = subprocess.run(
@@ -46,7 +47,7 @@ def test_jax_data_parallel_matches_one_device(tmp_path):
     out = dict(np.load(path))
     channels = out["plain_single_y"].shape[1]
     size = state_size(tf.float32)
-    for case in ("plain", "masked"):
+    for case in ("plain", "masked", "uneven", "uneven_masked"):
         for key in ("y", "moving"):
             _same_bits(out[f"{case}_sync_{key}"], out[f"{case}_single_{key}"], f"{case} {key}")
         # Gradients: XLA partitions the batch sums of the tangent rule (per device, then an
@@ -64,10 +65,19 @@ def test_jax_data_parallel_matches_one_device(tmp_path):
         # combines them with another [C] reduction: 2 C); the backward pass's [3, C] sums.
         c = channels
         merge = [(0, size * c), (0, c), (0, 5 * c), (0, 1)]
+        # Uneven: each device's count of real rows rides in the SUM (6 C), a pmin of the
+        # device indices finds the shift's device (C); the 61-row input and output cannot
+        # be sharded evenly, so XLA gathers the padded batch (64 C) in and out.
+        uneven = [(0, size * c), (0, c), (0, c), (0, 6 * c), (0, 1)]
+        batch = [(1, 64 * c)] * 2
         expected = {
             "plain": merge + [(0, c), (0, 3 * c)],
             "masked": merge * 2 + [(0, 2 * c), (0, 3 * c)],
+            "uneven": uneven + [(0, c), (0, 3 * c)] + batch,
+            "uneven_masked": uneven * 2 + [(0, 2 * c), (0, 3 * c)] + batch,
         }[case]
+        if case == "uneven_masked":  # XLA combines the selected counts with one [C] sum
+            expected.remove((0, c))
         got = sorted(tuple(r) for r in out[f"{case}_collectives"].tolist())
         assert got == sorted(expected), (case, got)
     # Measured beside it on N(1e6, 1): ours within 1e-6 of the exact normalisation, keras's

@@ -222,12 +222,14 @@ def _synchronized_centre(context, x, w, axes):
     return fn(x)
 
 
-def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
+def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None, rows=None, batch=None):
     """`tf_stable_moments._union.global_stats` on the JAX backend, inside `jax.shard_map`
     over `axis_name`: the certified merge of every device's fast sums
     (`jax_kernel._union.union_moments`, pure XLA: no FFI call; exact states for the slices
     it leaves open), `extra` (a per-slice count) psum-ed, and with lo one psum of the
-    float64 fixed-point sums of mean_lo."""
+    float64 fixed-point sums of mean_lo.  rows: None, or which of this device's rows are
+    the batch's (a batch padded to a multiple of the devices: the padding is left out of
+    every sum, as a selection), batch the global batch's length."""
     import jax
     import numpy as np
 
@@ -236,17 +238,25 @@ def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
     from moments_core import _kernel
     from moments_core._formats import FORMATS
 
-    mean, var = jax_union.union_moments(v, None, axes, axis_name)  # docs section 13b
+    valid = None
+    if rows is not None:
+        shape = [1] * v.ndim
+        shape[0] = v.shape[0]
+        valid = jax.numpy.broadcast_to(rows.reshape(shape), v.shape)
+    mean, var = jax_union.union_moments(v, valid, axes, axis_name)  # docs section 13b
     summed = None if extra is None else jax.lax.psum(extra.astype(np.int32), axis_name)
-    # The global count is static (every device holds an even shard; `where` selects by
-    # zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on one device,
-    # so that XLA folds the same constants (it turns a division by a constant n into a
-    # product with 1 / n: a traced n would give other bits).
+    # The global count is static (even shards, or the batch's length where padded; `where`
+    # selects by zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on
+    # one device, so that XLA folds the same constants (it turns a division by a constant n
+    # into a product with 1 / n: a traced n would give other bits).
     n = math.prod(v.shape[a] for a in axes) * devices
+    if rows is not None:
+        n = math.prod(v.shape[a] for a in axes if a != 0) * batch
     mean_lo = None
     with jax.enable_x64(True):
         if lo:
             laid, axis = _moments._layout(v, axes)
+            mask = None if valid is None else _moments._layout(valid, axes)[0]
             fmt = FORMATS[np.dtype(v.dtype).name]
             m64 = mean.reshape(-1).astype(np.float64)
             v64 = var.reshape(-1).astype(np.float64)
@@ -254,16 +264,19 @@ def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None):
             def all_sum(t):
                 return jax.lax.psum(t, axis_name)
 
-            mean_lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, reduce=all_sum)
+            mean_lo = _kernel.mean_lo(
+                _ops, laid, axis, m64, v64, 0, fmt, n, mask=mask, reduce=all_sum
+            )
             mean_lo = mean_lo.astype(v.dtype).reshape(mean.shape)
     return mean, mean_lo, var, n, summed
 
 
 def _jax_mesh_axis(x, axes):
-    """(mesh, batch axis name) when the layer should synchronize on the JAX backend: a
-    keras.distribution with more than one device along its batch dimension, which the
-    layer reduces, and a batch divisible by that count (jax.shard_map needs even shards);
-    else None (the single-device path: the same bits, without the O(channels) collectives)."""
+    """(mesh, batch axis name, batch) when the layer should synchronize on the JAX backend:
+    a keras.distribution with more than one device along its batch dimension, which the
+    layer reduces, and a batch of known length (one that the devices do not divide is
+    padded to a multiple: jax.shard_map needs even shards); else None (the single-device
+    path: the same bits, without the O(channels) collectives)."""
     distribution = keras.distribution.distribution()
     if distribution is None or 0 not in axes:
         return None
@@ -271,20 +284,23 @@ def _jax_mesh_axis(x, axes):
     mesh = distribution.device_mesh.backend_mesh
     size = mesh.shape.get(name, 1) if name is not None else 1
     batch = x.shape[0]
-    if size <= 1 or batch is None or batch % size:
+    if size <= 1 or batch is None:
         return None
-    return mesh, name
+    return mesh, name, batch
 
 
 @functools.lru_cache(maxsize=64)
-def _jax_synchronized_centre(mesh, axis_name, axes, masked):
+def _jax_synchronized_centre(mesh, axis_name, batch, axes, masked):
     """The differentiable `_centre` of the global batch on the JAX backend.
 
     Forward: `jax.shard_map` over the batch axis of the mesh, the certified merge of the
     devices' fast sums (`_jax_global_stats`; exact states for the slices it leaves open):
     O(channels) communication, the bits of one device holding the batch.  (The native
     kernel is an FFI custom call: on a sharded input XLA would gather the batch to run
-    it.)  Tangents: the single-device rule (`_centre_jvp`) on the global arrays; XLA
+    it.)  A batch the devices do not divide is padded with zero rows to a multiple of
+    them, which every device leaves out of its sums (a selection: `_jax_global_stats`'s
+    rows; the global count stays the batch's), and the output cut back to the batch.
+    Tangents: the single-device rule (`_centre_jvp`) on the global arrays; XLA
     partitions its batch sums into
     per-device sums and an all-reduce of [channels] float32, so gradients equal the
     single device's to float32 rounding (the sums run in another order).
@@ -292,35 +308,37 @@ def _jax_synchronized_centre(mesh, axis_name, axes, masked):
     import jax
     from jax.sharding import PartitionSpec
 
-    batch, replicated = PartitionSpec(axis_name), PartitionSpec()
+    devices = mesh.shape[axis_name]
+    pad = -batch % devices
+    spec, replicated = PartitionSpec(axis_name), PartitionSpec()
 
-    def local(x, w):
+    def body(x, w, rows):
         def global_stats(v, lo, extra):
-            return _jax_global_stats(axis_name, mesh.shape[axis_name], v, axes, lo, extra)
+            if not pad:
+                return _jax_global_stats(axis_name, devices, v, axes, lo, extra)
+            return _jax_global_stats(axis_name, devices, v, axes, lo, extra, rows, batch)
 
         return _global_centre(global_stats, x, w, axes)[:4]
 
-    if masked:
-        body, in_specs = local, (batch, batch)
-    else:
-
-        def body(x):
-            return local(x, None)
-
-        in_specs = (batch,)
     sharded = jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=in_specs,
-            out_specs=(batch, replicated, replicated, replicated),
+            in_specs=(spec, spec if masked else None, spec if pad else None),
+            out_specs=(spec, replicated, replicated, replicated),
             check_vma=False,
         )
     )
 
     @jax.custom_jvp
     def centre(x, w):
-        return sharded(x, w) if masked else sharded(x)
+        if not pad:
+            return sharded(x, w, None)
+        widths = [(0, pad)] + [(0, 0)] * (x.ndim - 1)
+        rows = jax.numpy.arange(batch + pad) < batch
+        w = None if w is None else jax.numpy.pad(w, widths)
+        r, *stats = sharded(jax.numpy.pad(x, widths), w, rows)
+        return (r[:batch], *stats)
 
     @centre.defjvp
     def centre_jvp(primals, tangents):
@@ -603,7 +621,8 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
         if self.synchronized and backend == "jax":
             sync = _jax_mesh_axis(inputs, axes)
             if sync is not None:
-                return _jax_synchronized_centre(*sync, axes, weights is not None)(inputs, weights)
+                centre = _jax_synchronized_centre(*sync, axes, weights is not None)
+                return centre(inputs, weights)
         return centre(inputs, weights, axes)
 
     def _update_moving_statistics(self, mean_hi, mean_lo, variance):
