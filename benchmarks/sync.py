@@ -15,8 +15,8 @@ and three layers with synchronized=True:
   * keras:  keras.layers.BatchNormalization (all-reduced float32 sums),
 
 one training step (forward and input/weight gradients of sum(y * w)) on a global
-batch of replicas x rows N(1e6, 1) float32 rows of `channels` channels is timed
-(median of `steps` after a warm-up step), with:
+batch of replicas x rows float32 rows of `channels` channels, N(loc, scale) (--loc,
+--scale: N(1e6, 1) by default), is timed (median of `steps` after a warm-up step), with:
 
   * peak memory: the peak of TensorFlow's CPU allocator (the BFC allocator, shared by
     the logical devices, so all replicas together) during the timed steps above its
@@ -93,7 +93,7 @@ def _exact_output(x, eps=1e-3):
     return (x.astype(np.float64) - mean) / np.sqrt(var + eps)
 
 
-def run_one(replicas, layer_kind, rows, channels, steps):
+def run_one(replicas, layer_kind, rows, channels, steps, dist=(1e6, 1.0)):
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -118,7 +118,7 @@ def run_one(replicas, layer_kind, rows, channels, steps):
         layer.build((None, channels))
 
     rng = np.random.default_rng(0)
-    x = rng.normal(1e6, 1.0, (replicas * rows, channels)).astype(np.float32)
+    x = rng.normal(dist[0], dist[1], (replicas * rows, channels)).astype(np.float32)
     w = rng.normal(size=x.shape).astype(np.float32)
 
     def part(array):
@@ -233,8 +233,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--one", nargs=2, metavar=("REPLICAS", "LAYER"), help=argparse.SUPPRESS)
     parser.add_argument("--jax", action="store_true", help="the JAX table (Flax layers)")
-    parser.add_argument("--loc", type=float, default=1e6, help="the data's offset (--jax)")
-    parser.add_argument("--scale", type=float, default=1.0, help="the data's spread (--jax)")
+    parser.add_argument("--loc", type=float, default=1e6, help="the data's offset")
+    parser.add_argument("--scale", type=float, default=1.0, help="the data's spread")
     parser.add_argument("--jax-one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.jax_one:
@@ -265,7 +265,8 @@ def main():
             print(f"| {r['replicas']} | {r['layer']} | {r['step_ms']:.2f} | {r['error']:.2g} |")
         return
     if args.one:
-        result = run_one(int(args.one[0]), args.one[1], args.rows, args.channels, args.steps)
+        dist = (args.loc, args.scale)
+        result = run_one(int(args.one[0]), args.one[1], args.rows, args.channels, args.steps, dist)
         print("RESULT " + json.dumps(result))
         return
     # The BFC allocator on the CPU keeps the allocation statistics read for the peak.
@@ -275,7 +276,7 @@ def main():
         for kind in LAYERS:
             cmd = [sys.executable, __file__, "--one", str(replicas), kind]
             cmd += ["--rows", str(args.rows), "--channels", str(args.channels)]
-            cmd += ["--steps", str(args.steps)]
+            cmd += ["--steps", str(args.steps), "--loc", str(args.loc), "--scale", str(args.scale)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")]
             if proc.returncode or not lines:
@@ -283,7 +284,8 @@ def main():
             results.append(json.loads(lines[-1][len("RESULT ") :]))
             print(results[-1], flush=True)
     print(
-        f"\nper replica: {args.rows} rows x {args.channels} channels, N(1e6, 1) float32; "
+        f"\nper replica: {args.rows} rows x {args.channels} channels, "
+        f"N({args.loc:g}, {args.scale:g}) float32; "
         f"step = forward + gradients, median of {args.steps}\n"
     )
     print("| replicas | layer | step ms | peak MiB | bytes / replica / step | max abs error of y |")
