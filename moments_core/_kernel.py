@@ -191,6 +191,21 @@ def block_sums(ops, a, b, c, axis, terms):
     return h1 + l1, h2 + l2, smallest, lambda j: gamma(longest + j + 1.0) + e
 
 
+def depth_bound(ops, n):
+    """g(j) that bounds `block_sums`' g(j) for every slice of at most n terms (n: a
+    float, or a float64 array): the longest block is at most min(n, BLOCK) terms and the
+    number of blocks at most ceil(n / BLOCK), and gamma_k and e_m grow with k and m (a
+    slice of at most BLOCK terms has the any-order gamma_(n + j - 1), below it too)."""
+    if isinstance(n, float):
+        blocks = float(-(-int(n) // BLOCK))
+        longest = min(n, float(BLOCK))
+    else:
+        blocks = ops.floor((n + (BLOCK - 1)) * (1.0 / BLOCK))  # exact: n < 2**53, BLOCK 2**8
+        longest = ops.minimum(n, float(BLOCK))
+    e = 2.0 * gamma(2.0 * blocks) * U * blocks
+    return lambda j: gamma(longest + j + 1.0) + e
+
+
 def _block_stage(ops, arrays, axis, full):
     """Per block of BLOCK consecutive terms of 2-D arrays of `full` blocks along axis:
     (sum, sum, min) as [full, kept] (axis 0) or [kept, full] (axis 1).
@@ -1033,8 +1048,10 @@ def merge_first(ops, x, axis, fmt, n=None, mask=None):
 
 def merge_rows(ops, x, axis, fmt, k, n=None, mask=None):
     """This replica's share of the SUM, flat float64: per slice s1 ~ sum (x - K), s2 ~
-    sum (x - K)**2, their bounds d1, d2 (`approximate`'s), the term of its smallest |x|
-    (`_min_exponent_term`), then its count (per slice, or one value: `_count_kind`)."""
+    sum (x - K)**2 (summed as `block_sums` does) and the term of its smallest |x|
+    (`_min_exponent_term`), then its count (per slice, or one value: `_count_kind`).
+    The sums' error bounds need no rows: `merge_decide` bounds them from the global sums
+    and count (`depth_bound`)."""
     size = ops.shape(x, axis)
     terms = float(size) if n is None else ops.cast(n, "float64")
     x, magnitude = flush(ops, x, fmt, magnitude=True)
@@ -1042,11 +1059,8 @@ def merge_rows(ops, x, axis, fmt, k, n=None, mask=None):
     if mask is not None:
         magnitude = ops.where(mask, magnitude, float("inf"))
         y = ops.where(mask, y, ops.zeros_like(y))
-    s1, s2, smallest, depth = block_sums(ops, y, y * y, magnitude, axis, terms)
-    b_up = s2 * (1.0 + 2.0 * depth(2)) * MARGIN
-    d1 = depth(1) * ops.sqrt(terms * b_up) * MARGIN * MARGIN
-    d2 = depth(2) * b_up
-    rows = [s1, s2, d1, d2, _min_exponent_term(ops, smallest)]
+    s1, s2, smallest, _ = block_sums(ops, y, y * y, magnitude, axis, terms)
+    rows = [s1, s2, _min_exponent_term(ops, smallest)]
     kind = _count_kind(n)
     if kind == "slice":
         rows.append(terms)
@@ -1062,22 +1076,27 @@ def merge_decide(ops, reduced, k, fmt, replicas, kind, count=None, ddof=0):
     global sums.  kind: `_count_kind` of the rows' count; count: the global count when
     static (kind None)."""
     kept = ops.shape(k, 0)
-    width = 6 if kind == "slice" else 5
+    width = 4 if kind == "slice" else 3
     total = ops.reshape(reduced[: width * kept], [width, kept])
     s1, s2 = total[0], total[1]
-    smallest = _min_exponent(ops, total[4])
-    g = gamma(float(replicas - 1)) if replicas > 1 else 0.0
-    up = (1.0 + 2.0 * g) * MARGIN  # a computed sum of R non-negative terms, rounded up
+    smallest = _min_exponent(ops, total[2])
     if kind is not None:
-        count = ops.cast(reduced[-1] if kind == "scalar" else total[5], "int64")
+        count = ops.cast(reduced[-1] if kind == "scalar" else total[3], "int64")
     c = counts(ops, count, ddof)
-    d2 = (total[3] + g * s2) * up * up
-    # sum_r |s1_r| <= sum_r |A_r| + sum_r d1_r, and sum_r |A_r| <= sum_r sqrt(n_r B_r)
-    # <= sqrt(n B) (Cauchy-Schwarz twice), B <= S2 + d2: the all-reduce's error in S1
-    # needs no row of its own.
+    # Section 13b, step 3: every replica's sums are within g_r(1) sqrt(n_r B_r) and
+    # g_r(2) B_r of their exact A_r, B_r, with g_r <= G = depth_bound(n) (n_r <= n), and
+    # B_r <= s2_r (1 + 2 G(2)); the all-reduce adds g = gamma_(R-1) times the sum of the
+    # magnitudes; sum_r s2_r <= S2 (1 + 2 g) (non-negative terms), sum_r sqrt(n_r B_r)
+    # <= sqrt(n B) (Cauchy-Schwarz) and sum_r |s1_r| <= sqrt(n B) (1 + G(1)).
+    big = depth_bound(ops, c.nf)
+    g = gamma(float(replicas - 1)) if replicas > 1 else 0.0
+    spread = s2 * ((1.0 + 2.0 * g) * MARGIN)  # >= sum_r s2_r
+    b_all = spread * ((1.0 + 2.0 * big(2)) * MARGIN)  # >= B
+    root = ops.sqrt(c.nf * b_all) * MARGIN  # >= sqrt(n B)
+    d1 = (big(1) * root + g * (root * (1.0 + big(1)) * MARGIN)) * MARGIN
+    d2 = (big(2) * b_all + g * spread) * MARGIN
     b_up = (s2 + d2) * MARGIN
     a_abs = ops.sqrt(c.nf * b_up) * MARGIN
-    d1 = (total[2] + g * (a_abs + total[2] * up)) * up * up
     bad = ~ops.isfinite(s1) | ~ops.isfinite(s2) | ~ops.isfinite(d1) | ~ops.isfinite(d2)
     # The lattice (section 5) of the union: every x, every y = x - K (K is an x) and every
     # partial sum on any replica and in the all-reduce is a multiple of q below the

@@ -651,11 +651,11 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     np.testing.assert_allclose(out["sync_hvp"], out["single_hvp"], rtol=0, atol=1e-6 * scale)
     # Communication is independent of the batch (docs section 13b): replica 0's collectives
     # per call of the statistics are the certified merge's: the shift [C] (float32: an
-    # input), the sums, bounds and smallest-magnitude exponent terms [5, C] with the count,
-    # flat (float64: 5 C + 1), the open slices' packed states (their number known when it
+    # input), the sums and smallest-magnitude exponent terms [3, C] with the count, flat
+    # (float64: 3 C + 1), the open slices' packed states (their number known when it
     # runs: none here); then the float64 mean_lo sums [C] (unmasked) or a second call
     # (masked: its selected counts [C] int64 after the first); the [3, 4] backward.
-    merge = [(0, 4, 4), (0, 8, 21), (0, 8, -1)]
+    merge = [(0, 4, 4), (0, 8, 13), (0, 8, -1)]
     expected = {
         "plain": merge + [(0, 8, 4), (0, 4, 12)],
         "masked": merge + [(0, 8, 4)] + merge + [(0, 4, 12)],

@@ -57,18 +57,18 @@ def test_jax_data_parallel_matches_one_device(tmp_path):
             scale = np.abs(want).max()
             np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=key)
         # O(channels) communication: all-reduces only (no gather of the batch).  Per call of
-        # the statistics (docs section 13b): the shared shift K [C], the float64 sums, bounds
-        # and smallest-magnitude exponent terms [5 C], the scalar max of the open slices
+        # the statistics (docs section 13b): the shared shift K [C], the float64 sums and
+        # smallest-magnitude exponent terms [3 C], the scalar max of the open slices
         # and, in the branch
         # that runs only when a slice is left open, the int32 state [L C]; plain: then the
         # float64 mean_lo sums [C]; masked: two calls, the selected counts [C] int32 (XLA
         # combines them with another [C] reduction: 2 C); the backward pass's [3, C] sums.
         c = channels
-        merge = [(0, size * c), (0, c), (0, 5 * c), (0, 1)]
-        # Uneven: each device's count of real rows rides in the SUM (6 C), a pmin of the
+        merge = [(0, size * c), (0, c), (0, 3 * c), (0, 1)]
+        # Uneven: each device's count of real rows rides in the SUM (4 C), a pmin of the
         # device indices finds the shift's device (C); the 61-row input and output cannot
         # be sharded evenly, so XLA gathers the padded batch (64 C) in and out.
-        uneven = [(0, size * c), (0, c), (0, c), (0, 6 * c), (0, 1)]
+        uneven = [(0, size * c), (0, c), (0, c), (0, 4 * c), (0, 1)]
         batch = [(1, 64 * c)] * 2
         expected = {
             "plain": merge + [(0, c), (0, 3 * c)],
