@@ -367,13 +367,17 @@ def _check_jax_native_finish(x):
     from jax_kernel import _state as jax_state
 
     with jax.enable_x64(x.dtype in (np.float64, np.complex128)):
+        # The XLA finish, one jitted function per ddof (n - ddof <= 0 on one element): every
+        # state below has the same shape, so each compiles once.
+        dtype = jax_kernel.moments_state(x, 0).dtype
+        finish = {ddof: jax.jit(jax_state._finish_fn(False, dtype, ddof)) for ddof in (0, 1)}
         for data in (x, x[:1], x[:0]):
             state = jax_kernel.moments_state(data, 0)
             doubled = jax_kernel.MomentsState(state.values * 2, state.dtype)
             for s in (state, doubled):
-                for ddof in (0, 1):  # (n - ddof <= 0 on one element; a compilation each)
+                for ddof in (0, 1):
                     native = jax_kernel.state_moments(s, ddof)
-                    xla = jax.jit(jax_state._finish_fn(False, s.dtype, ddof))(s.values)
+                    xla = finish[ddof](s.values)
                     for got, want in zip(native, xla):
                         np.testing.assert_array_equal(bits(got), bits(want))
         fn = jax.jit(lambda v: jax_kernel.state_moments(jax_kernel.MomentsState(v, x.dtype)))
