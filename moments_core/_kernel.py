@@ -1038,12 +1038,14 @@ def _count_kind(n):
 
 def merge_first(ops, x, axis, fmt, n=None, mask=None):
     """(first, has): per slice this replica's first selected element (flushed, float64;
-    0 where it has none) and whether it has one (None without a selection)."""
-    x = flush(ops, x, fmt)
+    0 where it has none) and whether it has one (None without a selection).  The element
+    is picked first (a sum of at most one nonzero term: exact), then flushed: the same
+    value as picking from the flushed part, without a pass over all of it."""
     if mask is None:  # with n, a length that may be 0 (dynamic: 0 for an empty part)
-        return ops.squeeze(first_element(ops, x, axis, dynamic=n is not None), axis), None
-    first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, 0.0), axis)
-    return first, ops.any(mask, axis)
+        first = ops.squeeze(first_element(ops, x, axis, dynamic=n is not None), axis)
+        return flush(ops, first, fmt), None
+    first = ops.sum(ops.where(_first_selected(ops, mask, axis), x, ops.zeros_like(x)), axis)
+    return flush(ops, first, fmt), ops.any(mask, axis)
 
 
 def merge_rows(ops, x, axis, fmt, k, n=None, mask=None):

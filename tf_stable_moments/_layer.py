@@ -194,12 +194,12 @@ def _synchronized_centre(context, x, w, axes):
 
     from tf_stable_moments import _union
 
-    all_sum, all_gather, replica = _union.collectives(context)
+    all_sum, replica = _union.collectives(context)
 
     @tf.custom_gradient
     def fn(x):
         def global_stats(v, lo, extra):
-            return _union.global_stats(all_sum, v, axes, lo, extra, all_gather, replica)
+            return _union.global_stats(all_sum, v, axes, lo, extra, replica)
 
         r, var, mean_hi, mean_lo, k = _global_centre(global_stats, tf.stop_gradient(x), w, axes)
 
@@ -312,10 +312,8 @@ def _jax_synchronized_centre(mesh, axis_name, batch, axes, masked):
     pad = -batch % devices
     spec, replicated = PartitionSpec(axis_name), PartitionSpec()
 
-    def body(x, w, rows):
+    def body(x, w, rows):  # rows: None unless the batch is padded
         def global_stats(v, lo, extra):
-            if not pad:
-                return _jax_global_stats(axis_name, devices, v, axes, lo, extra)
             return _jax_global_stats(axis_name, devices, v, axes, lo, extra, rows, batch)
 
         return _global_centre(global_stats, x, w, axes)[:4]

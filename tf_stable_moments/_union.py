@@ -24,16 +24,13 @@ _sync_exact_states = False
 
 
 def collectives(context):
-    """(all_sum, all_gather, replica) of a replica context: its SUM all-reduce, its
-    all-gather along axis 0, and (this replica's id, the number in sync)."""
+    """(all_sum, replica) of a replica context: its SUM all-reduce and (this replica's id,
+    the number in sync)."""
 
     def all_sum(v):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, v)
 
-    def all_gather(v):
-        return context.all_gather(v, axis=0)
-
-    return all_sum, all_gather, (context.replica_id_in_sync_group, context.num_replicas_in_sync)
+    return all_sum, (context.replica_id_in_sync_group, context.num_replicas_in_sync)
 
 
 def pack(digits):
@@ -60,10 +57,10 @@ def unpack(lanes, size):
     return tf.cast(both[..., :size], tf.int32)
 
 
-def global_stats(all_sum, v, axes, lo, extra=None, all_gather=None, replica=None, ddof=0):
+def global_stats(all_sum, v, axes, lo, extra=None, replica=None, ddof=0):
     """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
 
-    float32, float16 and bfloat16 with `all_gather` and `replica` (this replica's id and
+    float32, float16 and bfloat16 with `replica` (this replica's id and
     the number in sync): the certified merge (docs section 13b, `_merged_moments`).
     Else (float64, complex) one all-reduce of the packed states (with `extra`, a
     per-slice int32 count below 2**31, as one more lane of the same collective).  With
@@ -72,8 +69,8 @@ def global_stats(all_sum, v, axes, lo, extra=None, all_gather=None, replica=None
     """
     fmt = FORMATS.get(v.dtype.name)  # None for complex data
     summed_extra = None
-    if fmt is not None and fmt.wide and all_gather is not None and not _sync_exact_states:
-        mean, var, n = _merged_moments(all_sum, all_gather, replica, v, axes, fmt, ddof)
+    if fmt is not None and fmt.wide and replica is not None and not _sync_exact_states:
+        mean, var, n = _merged_moments(all_sum, replica, v, axes, fmt, ddof)
         if extra is not None:
             summed_extra = all_sum(tf.cast(extra, tf.int64))
     else:
@@ -135,7 +132,7 @@ def _phase(key, fn, args, spec):
     return compiled(*args)
 
 
-def _merged_moments(all_sum, all_gather, replica, v, axes, fmt, ddof=0):
+def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0):
     """(mean, var, n) of the global batch of v by the certified merge (docs section 13b)
     in a replica context: the shift of replica 0 (an all-reduce in which it alone
     contributes; 0 if it has no rows), one all-reduce of the fast sums, bounds, the
@@ -143,7 +140,6 @@ def _merged_moments(all_sum, all_gather, replica, v, axes, fmt, ddof=0):
     inside tf.cond, so the second round always runs, on the slices left open alone (none
     on decided data): their exact states, all-reduced.  Every replica computes the open
     slices from the reduced values alone, so all gather the same ones."""
-    del all_gather  # the smallest magnitudes ride in the SUM (section 13b)
     rid, replicas = replica
     laid, axis = _moments._layout(v, axes)
     size = tf.shape(laid, out_type=tf.int64)[axis]
@@ -307,17 +303,15 @@ def synchronized_moments(x, axes, ddof, keepdims, context):
     var_bar), x_bar = g_0 / N + 2 g_1 r / (N - ddof), N the global count and r = x -
     mean from the exact two-part mean (section 9), as on one device; complex data have
     none, as `moments`."""
-    all_sum, all_gather, replica = collectives(context)
+    all_sum, replica = collectives(context)
     if x.dtype.is_complex:
         x = tf.stop_gradient(x)
-        mean, _, var, _, _ = global_stats(all_sum, x, axes, False, None, all_gather, replica, ddof)
+        mean, _, var, _, _ = global_stats(all_sum, x, axes, False, None, replica, ddof)
     else:
 
         @tf.custom_gradient
         def fn(x):
-            mean, mean_lo, var, n, _ = global_stats(
-                all_sum, x, axes, True, None, all_gather, replica, ddof
-            )
+            mean, mean_lo, var, n, _ = global_stats(all_sum, x, axes, True, None, replica, ddof)
 
             def grad(mean_bar, var_bar):
                 g = all_sum(tf.stack([mean_bar, var_bar]))
