@@ -1,8 +1,8 @@
 """The layers' output formulas (moments_core/_affine.py) in JAX, differentiable.
 
-Used by the Keras layers on the JAX backend and by the Flax layers.  float32 operands
-take the formulas whose bits no compiler can change (docs/algorithm.md section 14);
-other dtypes (float64 statistics) the plain expressions.  Derivatives (custom_jvp,
+Used by the Keras layers on the JAX backend and by the Flax layers.  float32 and float64
+operands take the formulas whose bits no compiler can change (docs/algorithm.md section
+14); other dtypes and mixed operands the plain expressions.  Derivatives (custom_jvp,
 so that jvp, grad and their compositions all work) are those of the plain
 expressions, evaluated in float32: d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db,
 d(r f + b) = f dr + r df + db.  `div` and `blend` (renorm's corrections, moving
@@ -17,8 +17,15 @@ from jax_kernel import _ops
 from moments_core import _affine
 
 
-def _certified(*arrays):
-    return all(a is None or jnp.result_type(a) == jnp.float32 for a in arrays)
+def _kind(*arrays):
+    """32 (float32 operands), 64 (float64 operands) or None (mixed or other dtypes: the
+    plain expressions)."""
+    kinds = {jnp.result_type(a) for a in arrays if a is not None}
+    return (
+        {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.float64): 64}.get(kinds.pop())
+        if len(kinds) == 1
+        else None
+    )
 
 
 def _x64(fn):
@@ -31,76 +38,94 @@ def _x64(fn):
     return run
 
 
-_rsqrt32 = jax.custom_jvp(_x64(_affine.rsqrt32))
-_times32 = jax.custom_jvp(_x64(_affine.times32))
-_affine32 = jax.custom_jvp(_x64(_affine.affine32))
+def _differentiable(rsqrt_fn, times_fn, affine_fn):
+    """(rsqrt, times, affine) of one kind with the plain expressions' derivatives."""
+    rsqrt_, times_, affine_ = (jax.custom_jvp(_x64(f)) for f in (rsqrt_fn, times_fn, affine_fn))
+
+    @rsqrt_.defjvp
+    def _rsqrt_jvp(primals, tangents):
+        # the tangent from the plain expression: a few operations that XLA may fuse
+        # anywhere (the certified t's 60 would be recomputed per element where it is
+        # used per element)
+        t = 1.0 / jnp.sqrt(primals[0])
+        return rsqrt_(primals[0]), (-0.5 * t * t * t) * tangents[0]
+
+    @times_.defjvp
+    def _times_jvp(primals, tangents):
+        (a, b), (da, db) = primals, tangents
+        return times_(a, b), da * b + a * db
+
+    @affine_.defjvp
+    def _affine_jvp(primals, tangents):
+        (r, f, b), (dr, df, db) = primals, tangents
+        return affine_(r, f, b), dr * f + r * df + db
+
+    return rsqrt_, times_, affine_
 
 
-@_rsqrt32.defjvp
-def _rsqrt32_jvp(primals, tangents):
-    # the tangent from the plain expression: a few operations that XLA may fuse anywhere
-    # (the certified t's 60 would be recomputed per element where it is used per element)
-    t = 1.0 / jnp.sqrt(primals[0])
-    return _rsqrt32(primals[0]), (-0.5 * t * t * t) * tangents[0]
-
-
-@_times32.defjvp
-def _times32_jvp(primals, tangents):
-    (a, b), (da, db) = primals, tangents
-    return _times32(a, b), da * b + a * db
-
-
-@_affine32.defjvp
-def _affine32_jvp(primals, tangents):
-    (r, f, b), (dr, df, db) = primals, tangents
-    return _affine32(r, f, b), dr * f + r * df + db
+_RSQRT, _TIMES, _AFFINE = (
+    dict(zip((32, 64), fns))
+    for fns in zip(
+        _differentiable(_affine.rsqrt32, _affine.times32, _affine.affine32),
+        _differentiable(_affine.rsqrt64, _affine.times64, _affine.affine64),
+    )
+)
+_DIV = {32: _affine.div32, 64: _affine.div64}
+_BLEND = {32: _affine.blend32, 64: _affine.blend64}
 
 
 def rsqrt(v):
-    """1 / sqrt(v): RN32(v**-0.5) for float32 v (the same bits everywhere)."""
-    return _rsqrt32(v) if _certified(v) else 1.0 / jnp.sqrt(v)
+    """1 / sqrt(v): RN(v**-0.5) for float32 and float64 v (the same bits everywhere)."""
+    kind = _kind(v)
+    return _RSQRT[kind](v) if kind else 1.0 / jnp.sqrt(v)
 
 
 def div(a, s):
-    """a / s: RN32(a / s) for float32 a and s; no derivative."""
+    """a / s: RN(a / s) for float32 or float64 a and s; no derivative."""
     a, s = lax.stop_gradient(jnp.asarray(a)), lax.stop_gradient(jnp.asarray(s))
-    if not _certified(a, s):
+    kind = _kind(a, s)
+    if not kind:
         return a / s
-    return _ops.materialize(_x64(_affine.div32)(a, s))  # per slice: not per element
+    return _ops.materialize(_x64(_DIV[kind])(a, s))  # per slice: not per element
 
 
 def recip(s):
-    """1 / s: RN32(1 / s) for float32 s; no derivative."""
+    """1 / s: RN(1 / s) for float32 or float64 s; no derivative."""
     return div(jnp.ones_like(s), s)
 
 
 def times(a, b):
-    """a * b: RN32(a * b) through float64 for float32 a and b: a chain of products
-    is not reordered."""
-    return _times32(a, b) if _certified(a, b) else a * b
+    """a * b: RN32(a * b) through float64 for float32 a and b (a chain of products is
+    not reordered), RN64(a * b) for float64 (`_affine.times64`)."""
+    kind = _kind(a, b)
+    return _TIMES[kind](a, b) if kind else a * b
 
 
 def affine(r, f, b=None):
-    """r * f + b: RN32(RN64(r * f + b)) for float32 operands; b None: `times`."""
+    """r * f + b: RN32(RN64(r * f + b)) for float32 operands, `_affine.affine64` for
+    float64; b None: `times`."""
     if b is None:
         return times(r, f)
-    return _affine32(r, f, b) if _certified(r, f, b) else r * f + b
+    kind = _kind(r, f, b)
+    return _AFFINE[kind](r, f, b) if kind else r * f + b
 
 
 def blend(a, wa, b, wb):
-    """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands; no derivative."""
+    """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands, `_affine.blend64`
+    for float64; no derivative."""
     a, b = lax.stop_gradient(jnp.asarray(a)), lax.stop_gradient(jnp.asarray(b))
     wa, wb = (jnp.asarray(w, a.dtype) for w in (wa, wb))
-    if _certified(a, wa, b, wb):
-        return _x64(_affine.blend32)(a, wa, b, wb)
+    kind = _kind(a, wa, b, wb)
+    if kind:
+        return _x64(_BLEND[kind])(a, wa, b, wb)
     return a * wa + b * wb
 
 
 def scale_shift(r, v, gamma=None, beta=None, shared=False):
     """A layer's output from r, v = var + eps (per slice, broadcast against r), gamma and
-    beta (`moments_core._affine.scale_shift32`, docs section 14); shared: gamma has t's
-    shape (BatchNorm), else gamma is per feature (LayerNorm, GroupNorm)."""
-    if not _certified(r, v, gamma, beta):
+    beta (`moments_core._affine.scale_shift32`, `scale_shift64`, docs section 14); shared:
+    gamma has t's shape (BatchNorm), else gamma is per feature (LayerNorm, GroupNorm)."""
+    if not _kind(r, v, gamma, beta):
         scale = 1.0 / jnp.sqrt(v) if gamma is None else gamma / jnp.sqrt(v)
         return r * scale if beta is None else r * scale + beta
     # Per-slice values as buffers of their own (_ops.materialize): XLA would otherwise

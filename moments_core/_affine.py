@@ -231,3 +231,235 @@ def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
     else:
         r, scale = times32(ops, r, t), gamma
     return times32(ops, r, scale) if beta is None else affine32(ops, r, scale, beta)
+
+
+# ---------------------------------------------------------------- float64 (section 14b)
+# float64 has no wider format here, so a rounded float64 product feeding an addition is
+# what a contraction changes.  The float64 formulas therefore multiply only halves: every
+# operand is split on its encoding (integer operations) into a part of 26 significant bits
+# and the rest, so that each product of parts is exact, and the sums of exact products
+# come in a fixed order.  Every result leaves through `canonical_nan64`, a select on the
+# encoding, so that no caller's addition can be contracted with a product of ours.
+_MANT_BITS = (1 << 52) - 1
+_LOW_27 = (1 << 27) - 1
+_INF_BITS_64 = 0x7FF0000000000000
+_LIMB = 18  # the exact tests' integers, in limbs of 18 bits (products of 3 limbs < 2**63)
+_LIMB_MASK = (1 << _LIMB) - 1
+
+
+def canonical_nan64(ops, y):
+    """float64 y with every NaN the quiet NaN (an integer test on the encoding), and a
+    select that no compiler contracts with the product that may have made y."""
+    magnitude = ops.band(ops.bitcast(y, "int64"), 0x7FFFFFFFFFFFFFFF)
+    return ops.where(magnitude > _INF_BITS_64, float("nan"), y)
+
+
+def _fields(ops, a):
+    """(bits, field, M) of float64 a: its encoding, exponent field and integer significand
+    (the implicit bit included for normal numbers): |a| = M 2**(field - 1075)."""
+    bits = ops.bitcast(a, "int64")
+    field = ops.band(ops.shr(bits, 52), 0x7FF)
+    mant = ops.band(bits, _MANT_BITS) + ops.where(ops.ne(field, 0), 1 << 52, 0)
+    return bits, field, mant
+
+
+def _pow2_64(ops, e):
+    """2**e as a float64 for int64 e in [-1022, 1023] (built on the encoding)."""
+    return ops.bitcast(ops.shl(e + 1023, 52), "float64")
+
+
+def _scaled(ops, k, e, negative):
+    """+-k 2**e for int64 |k| < 2**28 and e >= -1074: exact where the result is a normal
+    number (two products by powers of two in the normal range, each exact)."""
+    half = ops.shr(e, 1)
+    v = ops.cast(k, "float64") * _pow2_64(ops, half) * _pow2_64(ops, e - half)
+    return ops.where(negative, -v, v)
+
+
+def split64(ops, a, rounded=False):
+    """(h, l) with a = h + l exactly, h the leading 26 significant bits of float64 a
+    (truncated, or rounded to nearest: then |l| has at most 26 bits, else 27), both from
+    the encoding: integer operations and exact scalings, no float64 operation on a, so
+    that a may be a product the compiler could otherwise contract.  Zero, subnormal,
+    infinite and NaN a (and h rounded up to infinity): (a, 0)."""
+    bits, field, mant = _fields(ops, a)
+    if rounded:
+        lowest_kept = ops.band(ops.shr(bits, 27), 1)
+        hbits = ops.band(bits + (lowest_kept + ((1 << 26) - 1)), ~_LOW_27)
+    else:
+        hbits = ops.band(bits, ~_LOW_27)
+    h = ops.bitcast(hbits, "float64")
+    _, hfield, hmant = _fields(ops, h)
+    diff = mant - ops.shl(hmant, hfield - field)  # h may have carried into the next binade
+    low = _scaled(ops, ops.abs(diff), field - 1075, (bits < 0) ^ (diff < 0))
+    regular = (field > 0) & (field < 0x7FF) & (hfield < 0x7FF)
+    return ops.where(regular, h, a), ops.where(regular, low, ops.zeros_like(a))
+
+
+def times64(ops, a, b):
+    """RN64(a * b) for float64 a and b: the product, left through `canonical_nan64`."""
+    return canonical_nan64(ops, a * b)
+
+
+def _product_terms(ops, a, b, a_rounded=True):
+    """(high, low) of a * b: high = ah bh exact, low = RN(RN(ah bl + al bh) + al bl) of
+    exact products (b split rounded; a rounded or truncated: 26 + 27 bits <= 53)."""
+    ah, al = split64(ops, a, a_rounded)
+    bh, bl = split64(ops, b, True)
+    return ah * bh, (ah * bl + al * bh) + al * bl
+
+
+def affine64(ops, r, f, b):
+    """RN(RN(rh fh + b) + RN(RN(rh fl + rl fh) + rl fl)): r f + b for float64 operands
+    within a few ulps, with every product exact (r split truncated, f rounded: 26 + 27
+    bits), so that no contraction changes a bit.  r may be a product; f and b must not
+    be products computed in the same expression (weights, buffers, our results)."""
+    high, low = _product_terms(ops, r, f, a_rounded=False)
+    return canonical_nan64(ops, (high + b) + low)
+
+
+def blend64(ops, a, wa, b, wb):
+    """a wa + b wb for float64 operands (moving averages, the masked variance):
+    RN(RN(Pa + Pb) + RN(pa + pb)) with Pa, pa the exact high part and the rounded low
+    part of a wa (`_product_terms`), likewise for b wb."""
+    ha, la = _product_terms(ops, a, wa)
+    hb, lb = _product_terms(ops, b, wb)
+    return canonical_nan64(ops, (ha + hb) + (la + lb))
+
+
+def _limbs(ops, m):
+    """Non-negative int64 m < 2**54 as 3 limbs of 18 bits, lowest first."""
+    return [ops.band(m, _LIMB_MASK), ops.band(ops.shr(m, _LIMB), _LIMB_MASK), ops.shr(m, 36)]
+
+
+def _multiply(ops, x, y, length):
+    """The product of two normalised limb lists, normalised to `length` limbs (each
+    convolution sum has at most 3 terms below 2**36: no overflow)."""
+    conv = [None] * (len(x) + len(y) - 1)
+    for i, a in enumerate(x):
+        for j, b in enumerate(y):
+            conv[i + j] = a * b if conv[i + j] is None else conv[i + j] + a * b
+    out, carry = [], 0
+    for k in range(length):
+        d = (conv[k] if k < len(conv) else 0) + carry
+        out.append(ops.band(d, _LIMB_MASK))
+        carry = ops.shr(d, _LIMB)
+    return out
+
+
+def _below(ops, limbs, a, d):
+    """L < a 2**d, exactly, for L >= 1 in normalised limbs, int64 1 <= a < 2**53 and int64
+    d.  Different bit lengths decide; equal ones (then d = len(L) - len(a) >= 0, as in
+    every use here, L having over 100 bits) compare floor(L / 2**d) with a: L = Q 2**d + R,
+    0 <= R < 2**d, so L < a 2**d <=> Q < a."""
+    from moments_core._exact import bit_length
+
+    length = 0
+    for k, limb in enumerate(limbs):
+        length = ops.where(ops.ne(limb, 0), _LIMB * k + bit_length(ops, limb), length)
+    target = bit_length(ops, a) + d
+    shift = ops.maximum(d, 0)
+    q = 0
+    for k, limb in enumerate(limbs):
+        up = _LIMB * k - shift
+        moved = ops.where(
+            up >= 0,
+            ops.shl(limb, ops.minimum(ops.maximum(up, 0), 62)),
+            ops.shr(limb, ops.minimum(ops.maximum(-up, 0), 62)),
+        )
+        q = q + moved
+    return ops.where(ops.ne(length, target), length < target, q < a)
+
+
+def _neighbours64(ops, t):
+    """(down, up, (M, e) of down, (M, e) of t) for positive finite normal float64 t."""
+    bits = ops.bitcast(t, "int64")
+    down, up = ops.bitcast(bits - 1, "float64"), ops.bitcast(bits + 1, "float64")
+    _, fd, md = _fields(ops, down)
+    _, ft, mt = _fields(ops, t)
+    return down, up, (md, fd - 1075), (mt, ft - 1075)
+
+
+def _normal64(ops, a, positive=False):
+    """a is a nonzero finite normal float64 (and positive): integer tests on the encoding."""
+    bits = ops.bitcast(a, "int64")
+    field = ops.band(ops.shr(bits, 52), 0x7FF)
+    normal = (field > 0) & (field < 0x7FF)
+    return normal & (bits > 0) if positive else normal
+
+
+def rsqrt64(ops, v):
+    """RN64(1 / sqrt(v)) for float64 v: correctly rounded, the same bits everywhere.
+
+    A guess t from 1 / sqrt(v) (whatever the compiler makes of it: within two ulps), then
+    twice: the midpoint m = (2 M + 1) 2**(e - 1) between t = M 2**e and a neighbour is
+    tested exactly, m**2 v < 1 <=> (2 M + 1)**2 V < 2**-(2 e - 2 + e_v) for v = V 2**e_v,
+    in integers (`_below`, 18-bit limbs); t moves to the neighbour the tests point to.  No
+    ties: (2 M + 1)**2 V is never a power of two.  Special values as `rsqrt32`.
+    """
+    t = 1.0 / ops.sqrt(v)
+    _, fv, mv = _fields(ops, v)
+    v_limbs, ev = _limbs(ops, mv), fv - 1075
+    ok = _normal64(ops, v)
+    for _ in range(2):
+        regular = ok & _normal64(ops, t, positive=True)
+        safe = ops.where(regular, t, ops.ones_like(t))
+        down, up, (md, ed), (mt, et) = _neighbours64(ops, safe)
+
+        def under_one(m, e):  # ((2 m + 1) 2**(e - 1))**2 v < 1
+            odd = _limbs(ops, 2 * m + 1)
+            w = _multiply(ops, _multiply(ops, odd, odd, 6), v_limbs, 9)
+            return _below(ops, w, ops.ones_like(e), -(2 * e - 2 + ev))
+
+        above = under_one(mt, et)
+        below = ~under_one(md, ed)
+        fixed = ops.where(above, up, ops.where(below, down, safe))
+        t = ops.where(regular, fixed, t)
+    bits = ops.bitcast(v, "int64")
+    magnitude = ops.band(bits, 0x7FFFFFFFFFFFFFFF)
+    invalid = (magnitude > _INF_BITS_64) | ((bits < 0) & ops.ne(magnitude, 0))
+    return canonical_nan64(ops, ops.where(invalid, float("nan"), t))
+
+
+def div64(ops, a, s):
+    """RN64(a / s) for float64 a and s: correctly rounded, the same bits everywhere.
+
+    A guess t from a / s (any division: within two ulps), then twice the exact tests
+    m |s| < |a| at the midpoints m = (2 M + 1) 2**(e - 1) next to |t| = M 2**e:
+    (2 M + 1) S < A 2**(e_a - e_s - e + 1) in integers (`_below`).  No ties.  Where a or s
+    is zero, subnormal, infinite or NaN, or |t| is not a normal number, t."""
+    t = a / s
+    _, fa, ma = _fields(ops, a)
+    _, fs, ms = _fields(ops, s)
+    s_limbs, ea, es = _limbs(ops, ms), fa - 1075, fs - 1075
+    ok = _normal64(ops, a) & _normal64(ops, s)
+    negative = t < 0
+    t_abs = ops.abs(t)
+    for _ in range(2):
+        regular = ok & _normal64(ops, t_abs)
+        safe = ops.where(regular, t_abs, ops.ones_like(t_abs))
+        down, up, (md, ed), (mt, et) = _neighbours64(ops, safe)
+
+        def below_a(m, e):  # (2 m + 1) 2**(e - 1) |s| < |a|
+            w = _multiply(ops, _limbs(ops, 2 * m + 1), s_limbs, 7)
+            return _below(ops, w, ma, ea - es - e + 1)
+
+        above = below_a(mt, et)
+        below = ~below_a(md, ed)
+        fixed = ops.where(above, up, ops.where(below, down, safe))
+        t_abs = ops.where(regular, fixed, t_abs)
+    return canonical_nan64(ops, ops.where(negative, -t_abs, t_abs))
+
+
+def scale_shift64(ops, r, v, gamma=None, beta=None, shared=False):
+    """`scale_shift32` for float64 operands: t = rsqrt64(v) per slice; shared (BN):
+    y = affine64(r, times64(gamma, t), beta); else (LN, GN) y = affine64(times64(r, t),
+    gamma, beta); no gamma: affine64(r, t, beta); no beta: the products (times64)."""
+    t = ops.materialize(rsqrt64(ops, v))
+    if gamma is None:
+        return times64(ops, r, t) if beta is None else affine64(ops, r, t, beta)
+    if shared:
+        r, scale = r, ops.materialize(times64(ops, gamma, t))
+    else:
+        r, scale = times64(ops, r, t), gamma
+    return times64(ops, r, scale) if beta is None else affine64(ops, r, scale, beta)

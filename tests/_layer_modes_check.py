@@ -1,6 +1,7 @@
 """Every Stable Keras layer's outputs in every execution mode of one Keras backend.
 
-Usage: KERAS_BACKEND=jax|tensorflow python tests/_layer_modes_check.py OUT.npz [core|plain]
+Usage: KERAS_BACKEND=jax|tensorflow python tests/_layer_modes_check.py OUT.npz
+[core|plain|float64]
 
 TensorFlow: eager, tf.function and tf.function(jit_compile=True); JAX: eager calls and
 `stateless_call` under jax.jit.  Each entry is "CASE|MODE".  tests/test_layer_modes.py
@@ -10,7 +11,8 @@ only, with mixed_float16 as the one dtype policy (the runs with the native kerne
 whose XLA kernel compiles in seconds per case: the output formulas are the same code).
 "plain": the CORE_CASES in float32 with the layers' output formulas swapped for the
 plain expressions (1 / sqrt, r * f + b): the control that shows the comparison can
-fail on this machine.
+fail on this machine.  "float64": the CORE_CASES under the float64 dtype policy (the
+float64 formulas of docs section 14b; JAX with JAX_ENABLE_X64=1).
 """
 
 import functools
@@ -233,7 +235,12 @@ def main():
     scope = sys.argv[2] if len(sys.argv) > 2 else "full"
     if scope == "plain":
         _plain_formulas()
-    policies = {"full": (None, "mixed_float16", "mixed_bfloat16"), "core": (None, "mixed_float16")}
+    policies = {
+        "full": (None, "mixed_float16", "mixed_bfloat16"),
+        "core": (None, "mixed_float16"),
+        "float64": ("float64",),
+    }
+    dtypes = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16", "float64": "float64"}
     out = {}
     for name, cls, arguments, kwargs, masked in CASES:
         if scope != "full" and name not in CORE_CASES:
@@ -242,13 +249,14 @@ def main():
         make = functools.partial(cls, **arguments)
         for data_name, x in DATA.items():
             for policy in policies.get(scope, (None,)):
-                if policy is not None and (data_name == "offset" or kind == "norm"):
+                mixed = policy is not None and policy.startswith("mixed")
+                if mixed and (data_name == "offset" or kind == "norm"):
                     continue  # 1e6 does not survive float16; Normalization keeps float32
                 layer = _layer(make, kind, policy)
-                xin = x if policy is None else x.astype(policy.split("_")[1])
+                xin = x if policy is None else x.astype(dtypes[policy])
                 key = f"{name}_{data_name}" + ("" if policy is None else "_" + policy)
                 _run(layer, xin, kwargs, MASK if masked else None, out, key)
-    if BACKEND == "jax" and scope != "plain":
+    if BACKEND == "jax" and scope not in ("plain", "float64"):
         _flax(out)
     out = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in out.items()}
     np.savez(sys.argv[1], backend=BACKEND, **out)

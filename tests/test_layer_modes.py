@@ -3,7 +3,8 @@ kernel (docs/algorithm.md section 14).
 
 tests/_layer_modes_check.py runs every Stable Keras layer (BN training, inference,
 masked, compensated, without scale or center, renorm; LN, GN, Normalization and their
-variants) on N(1e6, 1) and N(0, 1) float32 data, and mixed_float16 / mixed_bfloat16,
+variants) on N(1e6, 1) and N(0, 1) float32 data, and mixed_float16 / mixed_bfloat16 (and the
+core cases under the float64 policy),
 in TF eager, tf.function and jit_compile (TensorFlow backend) and in eager calls and
 `stateless_call` under jax.jit (JAX backend, with the Flax modules next to them), each
 with the native kernel on and off.  Every output, and the moving statistics a training
@@ -29,8 +30,12 @@ RUNS = (
     ("jax", "jax", "1", "full"),
     ("tf_native_off", "tensorflow", "0", "core"),
     ("jax_native_off", "jax", "0", "core"),
+    ("tf_float64", "tensorflow", "1", "float64"),
+    ("jax_float64", "jax", "1", "float64"),
     ("tf_plain", "tensorflow", "1", "plain"),
 )
+# Cases (layer, data, dtype) each run must hold at least.
+MINIMUM_CASES = {"tf": 60, "jax": 60, "tf_float64": 12, "jax_float64": 12}
 
 
 def _run_all(directory):
@@ -45,6 +50,7 @@ def _run_all(directory):
                 "KERAS_BACKEND": backend,
                 "TF_STABLE_MOMENTS_NATIVE": native,
                 "TF_CPP_MIN_LOG_LEVEL": "3",
+                **({"JAX_ENABLE_X64": "1"} if scope == "float64" else {}),
             }
             args = [sys.executable, str(REPO / "tests" / "_layer_modes_check.py")]
             args += [str(directory / f"{label}.npz"), scope]
@@ -93,13 +99,14 @@ def _entries(result):
 
 def _differing(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
     return int(np.count_nonzero(a.view(unsigned) != b.view(unsigned)))
 
 
 def _reference(results, case):
     """TF eager with the native kernel: what every other mode must reproduce."""
-    return _entries(results["tf"])[(case, "tf_eager")]
+    run = "tf_float64" if "_float64" in case else "tf"
+    return _entries(results[run])[(case, "tf_eager")]
 
 
 @pytest.mark.parametrize("label", [r[0] for r in RUNS if r[3] != "plain"])
@@ -109,7 +116,7 @@ def test_every_mode_gives_the_bits_of_tf_eager(results, label):
     entries = _entries(results[label])
     eager = "tf_eager" if label.startswith("tf") else "jax_eager"
     cases = {case for case, _ in entries}
-    assert len(cases) >= (60 if label in ("tf", "jax") else 20)  # layers, data, dtypes
+    assert len(cases) >= MINIMUM_CASES.get(label, 20)  # layers, data, dtypes
     differing = {}
     for (case, mode), value in sorted(entries.items()):
         reference = entries[(case, eager)] if case.endswith("_state") else None
@@ -121,17 +128,18 @@ def test_every_mode_gives_the_bits_of_tf_eager(results, label):
     assert not differing, differing
 
 
-def test_states_agree_between_backends(results):
+@pytest.mark.parametrize("runs, minimum", [(("tf", "jax"), 20), (("tf_float64", "jax_float64"), 4)])
+def test_states_agree_between_backends(results, runs, minimum):
     """Moving statistics after a training call: TF and JAX have the same bits (the
-    layers' float32 weights; Normalization's int64 / int32 count excepted)."""
-    tf_entries, jax_entries = _entries(results["tf"]), _entries(results["jax"])
+    layers' float32 or float64 weights; Normalization's int64 / int32 count excepted)."""
+    tf_entries, jax_entries = (_entries(results[run]) for run in runs)
     compared = 0
     for (case, mode), value in tf_entries.items():
         if mode != "tf_eager" or not case.endswith("_state") or case.startswith("norm"):
             continue
         assert _differing(jax_entries[(case, "jax_eager")], value) == 0, case
         compared += 1
-    assert compared >= 20
+    assert compared >= minimum
 
 
 def test_flax_modules_give_the_bits_of_the_keras_layers(results):

@@ -19,6 +19,7 @@ StableBatchNormalization).
 import keras
 from keras import ops
 
+from tf_stable_moments import _formulas
 from tf_stable_moments._layer_norm import _check_backend, _normalize
 
 
@@ -61,8 +62,8 @@ class StableGroupNormalization(keras.layers.GroupNormalization):
     def _apply_normalization(self, reshaped_inputs, input_shape):
         """keras's method with the kernel's statistics; reshaped_inputs has the groups axis."""
         inputs_dtype = reshaped_inputs.dtype
-        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), as in Keras.
-        compute_dtype = keras.backend.result_type(inputs_dtype, "float32")
+        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), float64 kept.
+        compute_dtype = _formulas.compute_dtype(inputs_dtype)
         x = ops.cast(reshaped_inputs, compute_dtype)
         ndim = len(x.shape)
         # keras's slices: every axis but the batch axis and the groups axis.

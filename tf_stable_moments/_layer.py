@@ -549,8 +549,8 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
                 "The mask provided should be one dimension less than the inputs. "
                 f"Received: mask.shape={mask.shape}, inputs.shape={inputs.shape}"
             )
-        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), as in Keras.
-        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), float64 kept.
+        compute_dtype = _formulas_module.compute_dtype(inputs.dtype)
         inputs = ops.cast(inputs, compute_dtype)
         axes = tuple(self._reduction_axes)
         gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None

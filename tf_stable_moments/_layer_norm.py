@@ -105,8 +105,8 @@ class StableLayerNormalization(keras.layers.LayerNormalization):
         _check_backend("StableLayerNormalization")
 
     def call(self, inputs):
-        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), as in Keras.
-        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        # Statistics in float32 at least (float16/bfloat16 inputs are upcast), float64 kept.
+        compute_dtype = _formulas.compute_dtype(inputs.dtype)
         x = ops.cast(inputs, compute_dtype)
         ndim = len(x.shape)
         axes = tuple(sorted(a % ndim for a in self.axis))

@@ -169,7 +169,7 @@ class StableNormalization(keras.layers.Normalization):
     @property
     def _work_dtype(self):
         """Statistics and arithmetic in float32 at least (float16/bfloat16 are upcast)."""
-        return keras.backend.result_type(self.compute_dtype, "float32")
+        return _formulas.compute_dtype(self.compute_dtype)
 
     def build(self, input_shape):
         super().build(input_shape)

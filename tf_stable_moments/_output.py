@@ -1,9 +1,10 @@
 """The layers' output formulas (moments_core/_affine.py) in TensorFlow, differentiable
 (the Keras layers reach them through tf_stable_moments/_formulas.py).
 
-float32 operands take the formulas whose bits no compiler can change
-(docs/algorithm.md section 14); other dtypes (float64 statistics) the plain
-expressions.  Gradients are those of the plain expressions, evaluated in float32:
+float32 and float64 operands take the formulas whose bits no compiler can change
+(docs/algorithm.md section 14; float64 ones outside XLA as XLA computations of their own,
+since TensorFlow's graph optimizer would regroup their sums); other dtypes and mixed
+operands the plain expressions.  Gradients are those of the plain expressions, evaluated in float32:
 d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db, d(r f + b) = f dr + r df + db (the
 sums over broadcast axes in float32, as TensorFlow's own gradients of * and +).
 `div` and `blend` (renorm's corrections, moving averages, the masked variance:
@@ -17,14 +18,33 @@ from tf_stable_moments._ops import PLAIN, XLA
 from tf_stable_moments._xla_context import in_xla_context
 
 
-def _certified(*tensors):
-    """float32 operands, outside a `portable("tflite")` trace (TFLite has no float64
-    builtins: the plain expressions there, docs section 15)."""
+def _kind(*tensors):
+    """32 (float32 operands) or 64 (float64 operands), outside a `portable("tflite")`
+    trace (TFLite has no float64 builtins: the plain expressions there, docs section 15);
+    else None (the plain expressions)."""
     from tf_stable_moments import _native
 
     if _native.tflite_now():
-        return False
-    return all(t is None or tf.as_dtype(t.dtype) == tf.float32 for t in tensors)
+        return None
+    kinds = {tf.as_dtype(t.dtype) for t in tensors if t is not None}
+    if len(kinds) != 1:
+        return None
+    return {tf.float32: 32, tf.float64: 64}.get(kinds.pop())
+
+
+def _certified(*tensors):
+    """float32 operands (the formulas of docs section 14's first table)."""
+    return _kind(*tensors) == 32
+
+
+def _run64(name, fn, args):
+    """fn(ops, *args) for float64 operands: the operations where XLA compiles the graph
+    being built, else an XLA computation of its own (`_compiled`): TensorFlow's graph
+    optimizer rewrites chains of additions (AddN), which would regroup the float64
+    formulas' sums."""
+    if in_xla_context():
+        return fn(XLA, *args)
+    return _compiled(name, fn, args)
 
 
 def _unbroadcast(g, like):
@@ -72,38 +92,81 @@ def _affine32(r, f, b):
     return y, grad
 
 
+@tf.custom_gradient
+def _rsqrt64(v):
+    def grad(dt):
+        t = 1.0 / tf.sqrt(v)
+        return dt * (-0.5 * t * t * t)
+
+    return _run64("rsqrt64", _affine.rsqrt64, (v,)), grad
+
+
+@tf.custom_gradient
+def _times64(a, b):
+    y = _run64("times64", _affine.times64, (a, b))
+
+    def grad(dy):
+        return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
+
+    return y, grad
+
+
+@tf.custom_gradient
+def _affine64(r, f, b):
+    y = _run64("affine64", _affine.affine64, (r, f, b))
+
+    def grad(dy):
+        return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
+
+    return y, grad
+
+
 def rsqrt(v):
-    """1 / sqrt(v): RN32(v**-0.5) for float32 v (the same bits everywhere)."""
-    return _rsqrt32(v) if _certified(v) else 1.0 / tf.sqrt(v)
+    """1 / sqrt(v): RN(v**-0.5) for float32 and float64 v (the same bits everywhere)."""
+    kind = _kind(v)
+    if kind is None:
+        return 1.0 / tf.sqrt(v)
+    return _rsqrt32(v) if kind == 32 else _rsqrt64(v)
 
 
 def div(a, s):
-    """a / s: RN32(a / s) for float32 a and s; no derivative."""
+    """a / s: RN(a / s) for float32 or float64 a and s; no derivative."""
     a, s = tf.stop_gradient(a), tf.stop_gradient(s)
-    if not _certified(a, s):
+    kind = _kind(a, s)
+    if kind is None:
         return a / s
+    if kind == 64:
+        y = _run64("div64", _affine.div64, (a, s))
+        return XLA.materialize(y) if in_xla_context() else y
     if in_xla_context():  # per slice: a buffer of its own, not recomputed per element
         return XLA.materialize(_affine.div32(XLA, a, s))
     return _affine.div32(PLAIN, a, s)
 
 
 def recip(s):
-    """1 / s: RN32(1 / s) for float32 s; no derivative."""
+    """1 / s: RN(1 / s) for float32 or float64 s; no derivative."""
     return div(tf.ones_like(s), s)
 
 
 def times(a, b):
     """a * b: RN32(a * b) through float64, for float32 a and b (a and b of one rank, or
-    scalars): a chain of products is not reordered."""
-    return _times32(a, b) if _certified(a, b) else a * b
+    scalars): a chain of products is not reordered; RN64(a * b) for float64
+    (`_affine.times64`)."""
+    kind = _kind(a, b)
+    if kind is None:
+        return a * b
+    return _times32(a, b) if kind == 32 else _times64(a, b)
 
 
 def affine(r, f, b=None):
     """r * f + b: RN32(RN64(r * f + b)) for float32 operands (f and b of r's rank, or
-    scalars); b None: `times`."""
+    scalars), `_affine.affine64` for float64; b None: `times`."""
     if b is None:
         return times(r, f)
-    return _affine32(r, f, b) if _certified(r, f, b) else r * f + b
+    kind = _kind(r, f, b)
+    if kind is None:
+        return r * f + b
+    return _affine32(r, f, b) if kind == 32 else _affine64(r, f, b)
 
 
 def _compiled(name, fn, args, **options):
@@ -141,9 +204,12 @@ def _native_formula(name, x):
 
 
 def blend(a, wa, b, wb):
-    """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands; no derivative."""
+    """a * wa + b * wb: RN32(RN64(a wa + b wb)) for float32 operands, `_affine.blend64`
+    for float64; no derivative."""
     a, b = tf.stop_gradient(a), tf.stop_gradient(b)
     wa, wb = (tf.constant(w, a.dtype) if not tf.is_tensor(w) else w for w in (wa, wb))
+    if _kind(a, wa, b, wb) == 64:
+        return _run64("blend64", _affine.blend64, (a, wa, b, wb))
     if _certified(a, wa, b, wb):  # (weights of any rank that broadcasts: scalars)
         native = _native_formula("blend", a)
         if native is not None:
@@ -158,7 +224,8 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     outside XLA too; shared: gamma has t's shape (BatchNormalization), else gamma is
     per feature (LN, GN).  The gradient is the plain expression's, in float32, with
     t = 1 / sqrt(v) recomputed by plain operations (so that higher orders work too)."""
-    if not _certified(r, v, gamma, beta):
+    kind = _kind(r, v, gamma, beta)
+    if kind is None:
         t = 1.0 / tf.sqrt(v)
         scale = t if gamma is None else gamma * t
         return r * scale if beta is None else r * scale + beta
@@ -167,7 +234,7 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     @tf.custom_gradient
     def fn(r, v, *present):
         g, b = _unpack(present, gamma, beta)
-        native = _native_formula("scale_shift", r)
+        native = _native_formula("scale_shift", r) if kind == 32 else None
         if native is not None:  # one CPU op (stable_moments_op.cc): nothing to compile
             unused = tf.zeros([], r.dtype)
             y = native(
@@ -219,4 +286,5 @@ def _unpack(present, gamma, beta):
 def _scale_shift_args(ops, r, v, *present, has_gamma, has_beta, shared):
     g = present[0] if has_gamma else None
     b = present[-1] if has_beta else None
-    return _affine.scale_shift32(ops, r, v, g, b, shared)
+    scale_shift = _affine.scale_shift64 if r.dtype == tf.float64 else _affine.scale_shift32
+    return scale_shift(ops, r, v, g, b, shared)
