@@ -303,9 +303,10 @@ def times64(ops, a, b):
 
 def _product_terms(ops, a, b, a_rounded=True):
     """(high, low) of a * b: high = ah bh exact, low = RN(RN(ah bl + al bh) + al bl) of
-    exact products (b split rounded; a rounded or truncated: 26 + 27 bits <= 53)."""
+    exact products (b split rounded, or given as that split (bh, bl); a rounded or
+    truncated: 26 + 27 bits <= 53)."""
     ah, al = split64(ops, a, a_rounded)
-    bh, bl = split64(ops, b, True)
+    bh, bl = b if isinstance(b, tuple) else split64(ops, b, True)
     return ah * bh, (ah * bl + al * bh) + al * bl
 
 
@@ -313,7 +314,8 @@ def affine64(ops, r, f, b):
     """RN(RN(rh fh + b) + RN(RN(rh fl + rl fh) + rl fl)): r f + b for float64 operands
     within a few ulps, with every product exact (r split truncated, f rounded: 26 + 27
     bits), so that no contraction changes a bit.  r may be a product; f and b must not
-    be products computed in the same expression (weights, buffers, our results)."""
+    be products computed in the same expression (weights, buffers, our results).  f may
+    come as its rounded split (fh, fl), `split64(f, rounded=True)`."""
     high, low = _product_terms(ops, r, f, a_rounded=False)
     return canonical_nan64(ops, (high + b) + low)
 
@@ -454,12 +456,18 @@ def div64(ops, a, s):
 def scale_shift64(ops, r, v, gamma=None, beta=None, shared=False):
     """`scale_shift32` for float64 operands: t = rsqrt64(v) per slice; shared (BN):
     y = affine64(r, times64(gamma, t), beta); else (LN, GN) y = affine64(times64(r, t),
-    gamma, beta); no gamma: affine64(r, t, beta); no beta: the products (times64)."""
+    gamma, beta); no gamma: affine64(r, t, beta); no beta: the products (times64).
+    The per-slice (or per-feature) scale is split once, into buffers of their own: XLA
+    would otherwise split it again for every element."""
+
+    def parts(scale):
+        return tuple(ops.materialize(p) for p in split64(ops, scale, True))
+
     t = ops.materialize(rsqrt64(ops, v))
     if gamma is None:
-        return times64(ops, r, t) if beta is None else affine64(ops, r, t, beta)
+        return times64(ops, r, t) if beta is None else affine64(ops, r, parts(t), beta)
     if shared:
         r, scale = r, ops.materialize(times64(ops, gamma, t))
     else:
         r, scale = times64(ops, r, t), gamma
-    return times64(ops, r, scale) if beta is None else affine64(ops, r, scale, beta)
+    return times64(ops, r, scale) if beta is None else affine64(ops, r, parts(scale), beta)
