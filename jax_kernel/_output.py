@@ -4,7 +4,7 @@ Used by the Keras layers on the JAX backend and by the Flax layers.  float32 and
 operands take the formulas whose bits no compiler can change (docs/algorithm.md section
 14); other dtypes and mixed operands the plain expressions.  Derivatives (custom_jvp,
 so that jvp, grad and their compositions all work) are those of the plain
-expressions, evaluated in float32: d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db,
+expressions, in the operands' dtype: d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db,
 d(r f + b) = f dr + r df + db.  `div` and `blend` (renorm's corrections, moving
 averages, the masked variance: quantities the layers use as constants) have none.
 """

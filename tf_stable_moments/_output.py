@@ -4,9 +4,10 @@
 float32 and float64 operands take the formulas whose bits no compiler can change
 (docs/algorithm.md section 14; float64 ones outside XLA as XLA computations of their own,
 since TensorFlow's graph optimizer would regroup their sums); other dtypes and mixed
-operands the plain expressions.  Gradients are those of the plain expressions, evaluated in float32:
-d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db, d(r f + b) = f dr + r df + db (the
-sums over broadcast axes in float32, as TensorFlow's own gradients of * and +).
+operands the plain expressions.  Gradients are those of the plain expressions, in the
+operands' dtype: d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db, d(r f + b) = f dr +
+r df + db (the sums over broadcast axes in that dtype, as TensorFlow's own gradients of
+* and +).
 `div` and `blend` (renorm's corrections, moving averages, the masked variance:
 quantities the layers use as constants) have none.
 """
