@@ -1,0 +1,110 @@
+"""Exported artifacts (issue #26): size, load time, first and steady call where the
+package is not installed.
+
+Usage::
+
+    python benchmarks/export.py [--backends tensorflow jax] [--batch 4]
+
+Per Keras backend, the model of `benchmarks/models.py` (TensorFlow: ResNet50 at 32x32,
+every BatchNormalization swapped; JAX: the pre-LN Encoder with 8 LayerNormalization)
+with keras's layers and after ``tf_stable_moments.stabilize``: ``model.export`` (the
+SavedModel TF Serving loads; jax2tf on the JAX backend), the artifact's size on disk,
+then in a fresh process in which importing this package fails: the time of
+``tf.saved_model.load``, of the first ``serve`` call and the median of five more.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"tensorflow": "ResNet50", "jax": "Encoder"}
+
+# The serving process: this package cannot be imported there.
+_SERVE = """
+import builtins, json, sys, time
+real = builtins.__import__
+def guard(name, *args, **kwargs):
+    if name.split(".")[0] in ("tf_stable_moments", "jax_kernel", "moments_core"):
+        raise ImportError(name)
+    return real(name, *args, **kwargs)
+builtins.__import__ = guard
+import numpy as np, tensorflow as tf
+path, data = sys.argv[1], sys.argv[2]
+start = time.perf_counter(); model = tf.saved_model.load(path); load = time.perf_counter() - start
+x = np.load(data)
+start = time.perf_counter(); model.serve(x); first = time.perf_counter() - start
+times = []
+for _ in range(5):
+    start = time.perf_counter(); model.serve(x); times.append(time.perf_counter() - start)
+print("RESULT", json.dumps([load, first, sorted(times)[2]]))
+"""
+
+
+def measure(backend, batch, directory):
+    """{"keras": ..., "ours": ...}: (export s, bytes, load s, first call s, steady s)."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import models
+
+    name = MODELS[backend]
+    base, ours = models._models(name, 32, True)
+    x = models._inputs(name, 32, batch, np.random.default_rng(0))
+    data = Path(directory) / "x.npy"
+    np.save(data, x)
+    out = {}
+    for label, model in (("keras", base), ("ours", ours)):
+        model(x[:1])
+        path = Path(directory) / f"{backend}_{label}"
+        start = time.perf_counter()
+        model.export(str(path), verbose=False)
+        export = time.perf_counter() - start
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        proc = subprocess.run(
+            [sys.executable, "-c", _SERVE, str(path), str(data)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            raise RuntimeError(f"serving {label} failed:\n{proc.stderr[-3000:]}")
+        out[label] = [export, size, *json.loads(line[0][7:])]
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--backends", nargs="+", default=["tensorflow", "jax"])
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args(argv)
+    if os.environ.get("KERAS_BACKEND") is None:  # one process per backend
+        for backend in args.backends:
+            env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+            cmd = [sys.executable, __file__, "--backends", backend, "--batch", str(args.batch)]
+            subprocess.run(cmd, env=env, check=True)
+        return
+    backend = os.environ["KERAS_BACKEND"]
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory() as directory:
+        out = measure(backend, args.batch, directory)
+    print(f"\n{backend}, {MODELS[backend]}, batch {args.batch}: keras / ours (ratio)")
+    print("| export (s) | size (bytes) | load (s) | first call (s) | steady call (ms) |")
+    print("|---|---|---|---|---|")
+    keras, ours = out["keras"], out["ours"]
+    cells = []
+    for i, scale in enumerate((1, 1, 1, 1, 1000)):
+        a, b = keras[i] * scale, ours[i] * scale
+        cells.append(f"{a:.4g} / {b:.4g} ({b / a:.2f})")
+    print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
