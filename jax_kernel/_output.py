@@ -21,11 +21,9 @@ def _kind(*arrays):
     """32 (float32 operands), 64 (float64 operands) or None (mixed or other dtypes: the
     plain expressions)."""
     kinds = {jnp.result_type(a) for a in arrays if a is not None}
-    return (
-        {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.float64): 64}.get(kinds.pop())
-        if len(kinds) == 1
-        else None
-    )
+    if len(kinds) != 1:
+        return None
+    return {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.float64): 64}.get(kinds.pop())
 
 
 def _x64(fn):

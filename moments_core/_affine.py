@@ -35,6 +35,8 @@ The functions take `ops`, the array namespace of a backend (tf_stable_moments/_o
 jax_kernel/_ops.py; JAX with 64-bit types enabled), and float32 arrays.
 """
 
+from moments_core._exact import bit_length
+
 # Clearing the low 28 of the 52 stored significand bits of a float64 leaves 25
 # significant bits; the rest of a 50-bit number then has at most 25 bits too.
 _HIGH_25 = -(1 << 28)
@@ -354,8 +356,6 @@ def _below(ops, limbs, a, d):
     d.  Different bit lengths decide; equal ones (then d = len(L) - len(a) >= 0, as in
     every use here, L having over 100 bits) compare floor(L / 2**d) with a: L = Q 2**d + R,
     0 <= R < 2**d, so L < a 2**d <=> Q < a."""
-    from moments_core._exact import bit_length
-
     length = 0
     for k, limb in enumerate(limbs):
         length = ops.where(ops.ne(limb, 0), _LIMB * k + bit_length(ops, limb), length)
@@ -373,13 +373,23 @@ def _below(ops, limbs, a, d):
     return ops.where(ops.ne(length, target), length < target, q < a)
 
 
-def _neighbours64(ops, t):
-    """(down, up, (M, e) of down, (M, e) of t) for positive finite normal float64 t."""
-    bits = ops.bitcast(t, "int64")
-    down, up = ops.bitcast(bits - 1, "float64"), ops.bitcast(bits + 1, "float64")
-    _, fd, md = _fields(ops, down)
-    _, ft, mt = _fields(ops, t)
-    return down, up, (md, fd - 1075), (mt, ft - 1075)
+def _nearest(ops, t, ok, exceeds):
+    """The float64 nearest to a positive value x from a guess t within two ulps of it, where
+    ok and t is a positive normal number (else t): twice, t moves to its upper neighbour
+    if x exceeds the midpoint above t, to its lower one if x does not exceed the midpoint
+    below.  exceeds(M, e): whether x exceeds the midpoint (2 M + 1) 2**(e - 1) above the
+    float64 M 2**e, exactly (x is never a midpoint)."""
+    for _ in range(2):
+        regular = ok & _normal64(ops, t, positive=True)
+        safe = ops.where(regular, t, ops.ones_like(t))
+        bits = ops.bitcast(safe, "int64")
+        down, up = ops.bitcast(bits - 1, "float64"), ops.bitcast(bits + 1, "float64")
+        _, fd, md = _fields(ops, down)
+        _, ft, mt = _fields(ops, safe)
+        above, below = exceeds(mt, ft - 1075), ~exceeds(md, fd - 1075)
+        fixed = ops.where(above, up, ops.where(below, down, safe))
+        t = ops.where(regular, fixed, t)
+    return t
 
 
 def _normal64(ops, a, positive=False):
@@ -399,24 +409,15 @@ def rsqrt64(ops, v):
     in integers (`_below`, 18-bit limbs); t moves to the neighbour the tests point to.  No
     ties: (2 M + 1)**2 V is never a power of two.  Special values as `rsqrt32`.
     """
-    t = 1.0 / ops.sqrt(v)
     _, fv, mv = _fields(ops, v)
     v_limbs, ev = _limbs(ops, mv), fv - 1075
-    ok = _normal64(ops, v)
-    for _ in range(2):
-        regular = ok & _normal64(ops, t, positive=True)
-        safe = ops.where(regular, t, ops.ones_like(t))
-        down, up, (md, ed), (mt, et) = _neighbours64(ops, safe)
 
-        def under_one(m, e):  # ((2 m + 1) 2**(e - 1))**2 v < 1
-            odd = _limbs(ops, 2 * m + 1)
-            w = _multiply(ops, _multiply(ops, odd, odd, 6), v_limbs, 9)
-            return _below(ops, w, ops.ones_like(e), -(2 * e - 2 + ev))
+    def under_one(m, e):  # ((2 m + 1) 2**(e - 1))**2 v < 1
+        odd = _limbs(ops, 2 * m + 1)
+        w = _multiply(ops, _multiply(ops, odd, odd, 6), v_limbs, 9)
+        return _below(ops, w, ops.ones_like(e), -(2 * e - 2 + ev))
 
-        above = under_one(mt, et)
-        below = ~under_one(md, ed)
-        fixed = ops.where(above, up, ops.where(below, down, safe))
-        t = ops.where(regular, fixed, t)
+    t = _nearest(ops, 1.0 / ops.sqrt(v), _normal64(ops, v), under_one)
     bits = ops.bitcast(v, "int64")
     magnitude = ops.band(bits, 0x7FFFFFFFFFFFFFFF)
     invalid = (magnitude > _INF_BITS_64) | ((bits < 0) & ops.ne(magnitude, 0))
@@ -434,22 +435,14 @@ def div64(ops, a, s):
     _, fa, ma = _fields(ops, a)
     _, fs, ms = _fields(ops, s)
     s_limbs, ea, es = _limbs(ops, ms), fa - 1075, fs - 1075
+
+    def below_a(m, e):  # (2 m + 1) 2**(e - 1) |s| < |a|
+        w = _multiply(ops, _limbs(ops, 2 * m + 1), s_limbs, 7)
+        return _below(ops, w, ma, ea - es - e + 1)
+
     ok = _normal64(ops, a) & _normal64(ops, s)
     negative = t < 0
-    t_abs = ops.abs(t)
-    for _ in range(2):
-        regular = ok & _normal64(ops, t_abs)
-        safe = ops.where(regular, t_abs, ops.ones_like(t_abs))
-        down, up, (md, ed), (mt, et) = _neighbours64(ops, safe)
-
-        def below_a(m, e):  # (2 m + 1) 2**(e - 1) |s| < |a|
-            w = _multiply(ops, _limbs(ops, 2 * m + 1), s_limbs, 7)
-            return _below(ops, w, ma, ea - es - e + 1)
-
-        above = below_a(mt, et)
-        below = ~below_a(md, ed)
-        fixed = ops.where(above, up, ops.where(below, down, safe))
-        t_abs = ops.where(regular, fixed, t_abs)
+    t_abs = _nearest(ops, ops.abs(t), ok, below_a)
     return canonical_nan64(ops, ops.where(negative, -t_abs, t_abs))
 
 

@@ -33,11 +33,6 @@ def _kind(*tensors):
     return {tf.float32: 32, tf.float64: 64}.get(kinds.pop())
 
 
-def _certified(*tensors):
-    """float32 operands (the formulas of docs section 14's first table)."""
-    return _kind(*tensors) == 32
-
-
 def _run64(name, fn, args):
     """fn(ops, *args) for float64 operands: the operations where XLA compiles the graph
     being built, else an XLA computation of its own (`_compiled`): TensorFlow's graph
@@ -61,87 +56,71 @@ def _unbroadcast(g, like):
     return tf.reshape(g, tf.shape(like)) if lead else g
 
 
-@tf.custom_gradient
-def _rsqrt32(v):
-    def grad(dt):
-        # t recomputed by the plain expression: a few operations that XLA may fuse
-        # anywhere (the certified t's 60 would be recomputed per element where the
-        # gradient is used per element), and differentiable again
-        t = 1.0 / tf.sqrt(v)
-        return dt * (-0.5 * t * t * t)
-
-    return _affine.rsqrt32(XLA if in_xla_context() else PLAIN, v), grad
+def _run32(name, fn, args):
+    """fn(ops, *args) for float32 operands: the operations (plain ones outside XLA, which
+    give the same bits: docs section 14)."""
+    del name
+    return fn(XLA if in_xla_context() else PLAIN, *args)
 
 
-@tf.custom_gradient
-def _times32(a, b):
-    y = _affine.times32(PLAIN, a, b)
+def _differentiable(run, rsqrt_fn, times_fn, affine_fn):
+    """(rsqrt, times, affine) of one kind, each run by `run`, with the plain expressions'
+    gradients."""
 
-    def grad(dy):
-        return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
+    @tf.custom_gradient
+    def rsqrt_(v):
+        def grad(dt):
+            # t recomputed by the plain expression: a few operations that XLA may fuse
+            # anywhere (the certified t's 60 would be recomputed per element where the
+            # gradient is used per element), and differentiable again
+            t = 1.0 / tf.sqrt(v)
+            return dt * (-0.5 * t * t * t)
 
-    return y, grad
+        return run("rsqrt", rsqrt_fn, (v,)), grad
 
+    @tf.custom_gradient
+    def times_(a, b):
+        def grad(dy):
+            return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
 
-@tf.custom_gradient
-def _affine32(r, f, b):
-    y = _affine.affine32(PLAIN, r, f, b)
+        return run("times", times_fn, (a, b)), grad
 
-    def grad(dy):
-        return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
+    @tf.custom_gradient
+    def affine_(r, f, b):
+        def grad(dy):
+            return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
 
-    return y, grad
+        return run("affine", affine_fn, (r, f, b)), grad
 
-
-@tf.custom_gradient
-def _rsqrt64(v):
-    def grad(dt):
-        t = 1.0 / tf.sqrt(v)
-        return dt * (-0.5 * t * t * t)
-
-    return _run64("rsqrt64", _affine.rsqrt64, (v,)), grad
-
-
-@tf.custom_gradient
-def _times64(a, b):
-    y = _run64("times64", _affine.times64, (a, b))
-
-    def grad(dy):
-        return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
-
-    return y, grad
+    return rsqrt_, times_, affine_
 
 
-@tf.custom_gradient
-def _affine64(r, f, b):
-    y = _run64("affine64", _affine.affine64, (r, f, b))
-
-    def grad(dy):
-        return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
-
-    return y, grad
+_RUN = {32: _run32, 64: _run64}
+_RSQRT, _TIMES, _AFFINE = (
+    dict(zip((32, 64), fns))
+    for fns in zip(
+        _differentiable(_run32, _affine.rsqrt32, _affine.times32, _affine.affine32),
+        _differentiable(_run64, _affine.rsqrt64, _affine.times64, _affine.affine64),
+    )
+)
+_DIV = {32: _affine.div32, 64: _affine.div64}
 
 
 def rsqrt(v):
     """1 / sqrt(v): RN(v**-0.5) for float32 and float64 v (the same bits everywhere)."""
     kind = _kind(v)
-    if kind is None:
-        return 1.0 / tf.sqrt(v)
-    return _rsqrt32(v) if kind == 32 else _rsqrt64(v)
+    return _RSQRT[kind](v) if kind else 1.0 / tf.sqrt(v)
 
 
 def div(a, s):
     """a / s: RN(a / s) for float32 or float64 a and s; no derivative."""
     a, s = tf.stop_gradient(a), tf.stop_gradient(s)
     kind = _kind(a, s)
-    if kind is None:
+    if not kind:
         return a / s
-    if kind == 64:
-        y = _run64("div64", _affine.div64, (a, s))
-        return XLA.materialize(y) if in_xla_context() else y
-    if in_xla_context():  # per slice: a buffer of its own, not recomputed per element
-        return XLA.materialize(_affine.div32(XLA, a, s))
-    return _affine.div32(PLAIN, a, s)
+    y = _RUN[kind]("div", _DIV[kind], (a, s))
+    # per slice: a buffer of its own, not recomputed per element
+    return XLA.materialize(y) if in_xla_context() else y
 
 
 def recip(s):
@@ -154,9 +133,7 @@ def times(a, b):
     scalars): a chain of products is not reordered; RN64(a * b) for float64
     (`_affine.times64`)."""
     kind = _kind(a, b)
-    if kind is None:
-        return a * b
-    return _times32(a, b) if kind == 32 else _times64(a, b)
+    return _TIMES[kind](a, b) if kind else a * b
 
 
 def affine(r, f, b=None):
@@ -165,9 +142,7 @@ def affine(r, f, b=None):
     if b is None:
         return times(r, f)
     kind = _kind(r, f, b)
-    if kind is None:
-        return r * f + b
-    return _affine32(r, f, b) if kind == 32 else _affine64(r, f, b)
+    return _AFFINE[kind](r, f, b) if kind else r * f + b
 
 
 def _compiled(name, fn, args, **options):
@@ -209,9 +184,10 @@ def blend(a, wa, b, wb):
     for float64; no derivative."""
     a, b = tf.stop_gradient(a), tf.stop_gradient(b)
     wa, wb = (tf.constant(w, a.dtype) if not tf.is_tensor(w) else w for w in (wa, wb))
-    if _kind(a, wa, b, wb) == 64:
+    kind = _kind(a, wa, b, wb)
+    if kind == 64:
         return _run64("blend64", _affine.blend64, (a, wa, b, wb))
-    if _certified(a, wa, b, wb):  # (weights of any rank that broadcasts: scalars)
+    if kind == 32:  # (weights of any rank that broadcasts: scalars)
         native = _native_formula("blend", a)
         if native is not None:
             return native(a, wa, b, wb)
