@@ -168,11 +168,11 @@ def _mean_lo_parts(x, axes, ddof, means, var):
     parts, axis, fmt, work = _kernel_parts(x, axes)
     with jax.enable_x64(True):
         v64 = var.astype(np.float64)
-        lows = [
+        # Buffers of their own (`_kernel.mean_lo_round`): the layers use them per element.
+        return [
             _kernel.mean_lo(_ops, p, axis, m.astype(np.float64), v64, ddof, fmt).astype(work)
             for p, m in zip(parts, means)
         ]
-        return [_ops.materialize(v) for v in lows]  # used per element by the layers
 
 
 def _kernel_outputs(x, axes, ddof, lo, exact_only, native, f32=False):

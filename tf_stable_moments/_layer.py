@@ -632,11 +632,10 @@ class StableBatchNormalization(keras.layers.BatchNormalization):
         if not self.compensated_moving_stats:
             # Warns once if it cannot move; returns moving_mean (on JAX through the check).
             moving_mean = _advice.check(self, moving_mean, mean_hi, variance)
-            # Both averages in one call (one compiled call in eager mode, not two).
-            moving = ops.stack([moving_variance, moving_mean])
-            new = blend(moving, momentum, ops.stack([variance, mean_hi]), rest)
-            self.moving_variance.assign(new[0])
-            self.moving_mean.assign(new[1])
+            # Two calls (in TF eager mode two native ops: stacking the averages into one
+            # call and slicing them apart again took longer than the second call).
+            self.moving_variance.assign(blend(moving_variance, momentum, variance, rest))
+            self.moving_mean.assign(blend(moving_mean, momentum, mean_hi, rest))
             return
         self.moving_variance.assign(blend(moving_variance, momentum, variance, rest))
         correction = ops.cast(self.moving_mean_correction, mean_hi.dtype)

@@ -113,7 +113,7 @@ def _kernel_outputs(ops, parts, axis, ddof, n=None, lo=False, exact_only=False):
     out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
     if lo:
         lows = [_kernel.mean_lo(ops, p, axis, m, var, ddof, fmt, n) for p, m in zip(parts, means)]
-        out += [ops.materialize(tf.cast(m, dtype)) for m in lows]  # used per element
+        out += [tf.cast(m, dtype) for m in lows]  # mean_lo_round materializes them
     return tuple(out) + (undecided,)
 
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from moments_core import _affine
 from tf_stable_moments._ops import PLAIN, XLA
+from tf_stable_moments._output_grad import scale_shift_grad, unbroadcast
 from tf_stable_moments._xla_context import in_xla_context
 
 
@@ -43,19 +44,6 @@ def _run64(name, fn, args):
     return _compiled(name, fn, args)
 
 
-def _unbroadcast(g, like):
-    """g summed over the axes along which `like` (of g's rank or lower) was broadcast."""
-    lead = g.shape.rank - like.shape.rank
-    axes = list(range(lead)) + [
-        lead + i
-        for i, (a, b) in enumerate(zip(like.shape, g.shape[lead:], strict=True))
-        if a == 1 and b != 1
-    ]
-    if axes:
-        g = tf.reduce_sum(g, axis=axes, keepdims=True)
-    return tf.reshape(g, tf.shape(like)) if lead else g
-
-
 def _run32(name, fn, args):
     """fn(ops, *args) for float32 operands: the operations (plain ones outside XLA, which
     give the same bits: docs section 14)."""
@@ -81,14 +69,14 @@ def _differentiable(run, rsqrt_fn, times_fn, affine_fn):
     @tf.custom_gradient
     def times_(a, b):
         def grad(dy):
-            return _unbroadcast(dy * b, a), _unbroadcast(dy * a, b)
+            return unbroadcast(dy * b, a), unbroadcast(dy * a, b)
 
         return run("times", times_fn, (a, b)), grad
 
     @tf.custom_gradient
     def affine_(r, f, b):
         def grad(dy):
-            return _unbroadcast(dy * f, r), _unbroadcast(dy * r, f), _unbroadcast(dy, b)
+            return unbroadcast(dy * f, r), unbroadcast(dy * r, f), unbroadcast(dy, b)
 
         return run("affine", affine_fn, (r, f, b)), grad
 
@@ -199,54 +187,41 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     """A layer's output from r, v = var + eps (per slice, broadcast against r), gamma,
     beta: `_affine.scale_shift32` (docs section 14) for float32, one fused XLA pass
     outside XLA too; shared: gamma has t's shape (BatchNormalization), else gamma is
-    per feature (LN, GN).  The gradient is the plain expression's, in float32, with
-    t = 1 / sqrt(v) recomputed by plain operations (so that higher orders work too)."""
+    per feature (LN, GN).  The gradient is the plain expression's (`scale_shift_grad`):
+    the native op's registered gradient where the op serves, else a custom gradient."""
     kind = _kind(r, v, gamma, beta)
     if kind is None:
         t = 1.0 / tf.sqrt(v)
         scale = t if gamma is None else gamma * t
         return r * scale if beta is None else r * scale + beta
+    native = _native_formula("scale_shift", r) if kind == 32 else None
+    if native is not None:  # one CPU op (stable_moments_op.cc), its gradient registered
+        unused = tf.zeros([], r.dtype)
+        return native(
+            r,
+            v,
+            unused if gamma is None else gamma,
+            unused if beta is None else beta,
+            has_gamma=gamma is not None,
+            has_beta=beta is not None,
+            shared=shared,
+        )
     present = [a for a in (gamma, beta) if a is not None]
 
     @tf.custom_gradient
     def fn(r, v, *present):
         g, b = _unpack(present, gamma, beta)
-        native = _native_formula("scale_shift", r) if kind == 32 else None
-        if native is not None:  # one CPU op (stable_moments_op.cc): nothing to compile
-            unused = tf.zeros([], r.dtype)
-            y = native(
-                r,
-                v,
-                unused if g is None else g,
-                unused if b is None else b,
-                has_gamma=g is not None,
-                has_beta=b is not None,
-                shared=shared,
-            )
-        else:
-            y = _compiled(
-                "scale_shift",
-                _scale_shift_args,
-                (r, v, *present),
-                has_gamma=g is not None,
-                has_beta=b is not None,
-                shared=shared,
-            )
+        y = _compiled(
+            "scale_shift",
+            _scale_shift_args,
+            (r, v, *present),
+            has_gamma=g is not None,
+            has_beta=b is not None,
+            shared=shared,
+        )
 
         def grad(dy):
-            t = 1.0 / tf.sqrt(v)
-            if g is None or shared:  # y = r (g t) + b: the sums of dy r and dy only
-                s = _unbroadcast(dy * r, t)
-                dr = dy * (t if g is None else g * t)
-                dt = s if g is None else s * g
-                dg = None if g is None else s * t
-            else:  # y = (r t) g + b, t per sample or group, g per feature
-                dp = dy * g
-                dr = dp * t
-                dt = _unbroadcast(dp * r, t)
-                dg = _unbroadcast(dy * (r * t), g)
-            grads = [dr, dt * (-0.5 * t * t * t)] + ([] if g is None else [dg])
-            return grads + ([] if b is None else [_unbroadcast(dy, b)])
+            return [d for d in scale_shift_grad(dy, r, v, g, b, shared) if d is not None]
 
         return y, grad
 

@@ -19,7 +19,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.saved_model import save_context
 
 from moments_core.native import build, enabled
-from tf_stable_moments import _centre_grad
+from tf_stable_moments import _centre_grad, _output_grad
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_stable_moments_op.so")
@@ -364,6 +364,17 @@ def xla_stall_check(moving_mean, mean, variance, momentum, epsilon, threshold, t
 
 
 tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no tangent
+
+
+@tf.RegisterGradient("StableScaleShift")
+def _stable_scale_shift_grad(op, dy):
+    """The plain expression's gradient (`_output_grad.scale_shift_grad`),
+    as the formula's own tf.custom_gradient gives it where the op does not serve: a
+    registered gradient spares eager mode the custom_gradient wrapper around every call."""
+    r, v, g, b = op.inputs
+    g = g if op.get_attr("has_gamma") else None
+    b = b if op.get_attr("has_beta") else None
+    return _output_grad.scale_shift_grad(dy, r, v, g, b, op.get_attr("shared"))
 
 
 @tf.RegisterGradient("StableCentre")
