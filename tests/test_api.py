@@ -421,17 +421,20 @@ def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
     assert len(ours) <= len(theirs), (len(ours), len(theirs))
 
 
+def _fusions(hlo):
+    """(result dimensions, instruction count) of every fusion of an optimized XLA module
+    (text): one list of dimensions per result array."""
+    for body in re.split(r"\n(?=%)", hlo):
+        head = body.split("\n", 1)[0]
+        if head.startswith("%fused") and "{" in head:
+            shapes = re.findall(r"\[([0-9,]+)\]", head.split("->", 1)[1])
+            yield [[int(d) for d in s.split(",")] for s in shapes], body.count("\n")
+
+
 def _largest_elementwise_fusion(hlo, elements):
     """The most instructions in one fusion of an optimized XLA module (text) that
     computes a value per input element (a shape of `elements` elements)."""
-    sizes = []
-    for body in re.split(r"\n(?=%)", hlo):
-        head = body.split("\n", 1)[0]
-        if not head.startswith("%fused") or "{" not in head:
-            continue
-        shapes = re.findall(r"\[([0-9,]+)\]", head.split("->", 1)[1])
-        if any(np.prod([int(d) for d in s.split(",")]) == elements for s in shapes):
-            sizes.append(body.count("\n"))
+    sizes = [n for dims, n in _fusions(hlo) if any(math.prod(d) == elements for d in dims)]
     assert sizes, "no per-element fusion found"
     return max(sizes)
 
@@ -649,16 +652,11 @@ def _per_slice_fusions(hlo, kept):
     """Instruction counts of the fusions of an optimized XLA module (text) whose results
     are all per-slice values: `kept` (or kept + 1, the exact path's dummy slot) along
     their last axis, at most four rows."""
-    sizes = []
-    for body in re.split(r"\n(?=%)", hlo):
-        head = body.split("\n", 1)[0]
-        if not head.startswith("%fused") or "{" not in head:
-            continue
-        shapes = re.findall(r"\[([0-9,]+)\]", head.split("->", 1)[1])
-        dims = [[int(d) for d in s.split(",")] for s in shapes]
-        if dims and all(d[-1] in (kept, kept + 1) and math.prod(d) <= 4 * (kept + 1) for d in dims):
-            sizes.append(body.count("\n"))
-    return sizes
+    return [
+        n
+        for dims, n in _fusions(hlo)
+        if dims and all(d[-1] in (kept, kept + 1) and math.prod(d) <= 4 * (kept + 1) for d in dims)
+    ]
 
 
 def test_the_fast_paths_per_slice_chain_is_compiled_once():
