@@ -350,6 +350,7 @@ _COMMON = dict(
     round=tf.math.round,  # half to even
     floor=tf.math.floor,
     floordiv=tf.math.floordiv,
+    truncdiv=tf.truncatediv,
     zeros_like=tf.zeros_like,
     transpose=tf.transpose,
     expand_dims=tf.expand_dims,
