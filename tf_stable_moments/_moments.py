@@ -672,6 +672,7 @@ def _keepdims(keepdims, keep_dims):
     return bool(keep_dims)
 
 
+@tf.autograph.experimental.do_not_convert
 def moments(x, axes, shift=None, keepdims=None, name=None, *, ddof=0, keep_dims=None):
     """One replica's (one device's) moments: the public `moments` without `synchronized`
     (tf_stable_moments/_union.py `moments`, whose docstring is the contract)."""

@@ -211,6 +211,7 @@ def _replica_context(synchronized):
     return context if context.num_replicas_in_sync > 1 else None
 
 
+@tf.autograph.experimental.do_not_convert
 def moments(
     x, axes, shift=None, keepdims=None, name=None, *, ddof=0, keep_dims=None, synchronized=False
 ):
