@@ -10,6 +10,7 @@ every call.  ``TF_STABLE_MOMENTS_NATIVE=0`` switches it off (no warning).
 import contextlib
 import functools
 import os
+import sys
 import threading
 import warnings
 
@@ -91,8 +92,9 @@ def portable(enabled=True):
       the statistics and the layers' formulas in float32 operations that TFLite has as
       builtins (docs/algorithm.md section 15: shifted sums with a correction pass, not
       certified; about 1e-7 relative on N(1e6, 1) data where keras's layers lose
-      every digit).  Convert inside the block, from the model or from a SavedModel
-      exported in it.
+      every digit).  Export inside the block a SavedModel to convert; a converter that
+      traces the model itself (`TFLiteConverter.from_keras_model(model).convert()`)
+      gets this without a block.
 
     >>> import tensorflow as tf, tf_stable_moments as tsm
     >>> f = tf.function(lambda x: tsm.moments(x, [0]))
@@ -111,20 +113,43 @@ def portable(enabled=True):
         stack.pop()
 
 
-def portable_now():
-    """Whether functions traced now must hold standard operations only: the innermost
-    `portable` block says, else whether `tf.saved_model.save` is tracing."""
+_LITE = os.path.join("tensorflow", "lite", "python", "lite.py")
+
+
+def _converting_to_tflite():
+    """Whether a TensorFlow Lite converter is tracing now (a frame of its `lite.py` on the
+    stack: `TFLiteConverter.from_keras_model(...).convert()` traces the model itself).
+    Graph building only: an eager call is never a conversion."""
+    if tf.executing_eagerly():
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_LITE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _mode():
+    """The innermost `portable` block's argument; without one, "tflite" while a TFLite
+    converter traces, else whether `tf.saved_model.save` is tracing."""
     stack = getattr(_portable, "stack", None)
     if stack:
-        return bool(stack[-1])
+        return stack[-1]
+    if _converting_to_tflite():
+        return "tflite"
     return save_context.in_save_context()
 
 
+def portable_now():
+    """Whether functions traced now must hold standard operations only (`_mode`)."""
+    return bool(_mode())
+
+
 def tflite_now():
-    """Whether functions traced now are for TensorFlow Lite (the innermost `portable`
-    block is portable("tflite"))."""
-    stack = getattr(_portable, "stack", None)
-    return bool(stack) and stack[-1] == "tflite"
+    """Whether functions traced now are for TensorFlow Lite: a portable("tflite") block,
+    or a TFLite converter tracing the model (`_mode`)."""
+    return _mode() == "tflite"
 
 
 def op():
