@@ -122,7 +122,7 @@ def _converting_to_tflite():
     Graph building only: an eager call is never a conversion."""
     if tf.executing_eagerly():
         return False
-    frame = sys._getframe(2)
+    frame = sys._getframe()
     while frame is not None:
         if frame.f_code.co_filename.endswith(_LITE):
             return True
