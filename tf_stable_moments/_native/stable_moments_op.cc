@@ -795,7 +795,7 @@ class StableScaleShiftOp : public OpKernel {
     // ScaleShift, element by element).  Per row they cost more than the row itself
     // where rows are short (a MobileNet's [8, 16, 16, 32]: 2,048 rows of 32).
     const int rank = shape.dims();
-    bool per_channel = has_gamma_ && has_beta_ && shared_ && rank > 0;
+    bool per_channel = has_gamma && has_beta && shared && rank > 0;
     for (int j = 0; j < 3 && per_channel; ++j) {
       for (int d = 0; d < rank; ++d) {
         per_channel = per_channel && strides[j][d] == (d == rank - 1 ? 1 : 0);
