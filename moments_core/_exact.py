@@ -233,7 +233,8 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     length = ops.shape(num, 1)
     zero = ops.zeros_like(divisors[0])
 
-    def step(k, big, nb, low, sticky, *rs):
+    def step(k, state):
+        big, nb, low, sticky, *rs = [state[i] for i in range(4 + len(divisors))]
         # Digit k of num (0 below the number): one column read, not a masked row sum
         # (which XLA compiled to a reduction of its own per step).
         q = ops.where(k >= 0, ops.take(num, ops.maximum(k, 0), 1), 0)
@@ -249,14 +250,19 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
         s = ops.minimum(62 - nb, RADIX_BITS)  # bits of q that still fit
         dropped = ops.band(q, ops.shl(1, RADIX_BITS - s) - 1)
         big = ops.where(fresh, q, ops.shl(big, s) + ops.shr(q, RADIX_BITS - s))
-        sticky = sticky | (~fresh & ops.ne(dropped, 0))
+        sticky = ops.where(fresh | ops.eq(dropped, 0), sticky, 1)
         low = ops.where(fresh, RADIX_BITS * k, low - s)
         nb = ops.where(fresh, bit_length(ops, q), nb + s)
-        return (k - 1, big, nb, low, sticky, *remainders)
+        return (k - 1, ops.stack([big, nb, low, sticky, *remainders], 0))
 
-    start = (ops.constant(length - 1, "int64"), zero, zero, zero, ops.ne(zero, 0))
-    start += tuple(zero for _ in divisors)
-    _, big, nb, low, sticky, *rs = ops.while_loop(lambda k, *_: k >= -z, step, start)
+    # The registers as the rows of one array (sticky as 0 or 1): the loop's state is one
+    # buffer, which the body updates in one fused pass.
+    start = ops.stack([zero] * (4 + len(divisors)), 0)
+    _, state = ops.while_loop(
+        lambda k, _: k >= -z, step, (ops.constant(length - 1, "int64"), start)
+    )
+    big, nb, low, sticky, *rs = [state[i] for i in range(4 + len(divisors))]
+    sticky = ops.ne(sticky, 0)
     for r in rs:
         sticky = sticky | ops.ne(r, 0)
     # Round the nb >= p + 2 leading bits to p: half to even, the sticky bit breaking ties.
