@@ -114,7 +114,7 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None, axis=1):
     """
     rows = ops.shape(parts[0], 1 - axis)
     row = ops.expand_dims(ops.iota(rows, "int64"), axis)
-    s1s, s2_data, s2_ids = [], [], []
+    groups, s2_data, s2_ids = [], [], []
     for x in parts:
         negative, mant, p = decompose(ops, x, fmt)
         if valid is not None:
@@ -125,7 +125,7 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None, axis=1):
         sign = ops.where(negative, -1, 1)
         if weights is not None:
             sign = sign * weights
-        s1s.append(_segment_digits(ops, [ej * sign for ej in e], row * l1 + first, l1, rows))
+        groups.append(([ej * sign for ej in e], [row * l1 + first], l1))
         d = len(e)
         conv = [
             sum(e[a] * e[j - a] for a in range(max(0, j - d + 1), min(d - 1, j) + 1))
@@ -136,22 +136,29 @@ def accumulate(ops, parts, valid, fmt, l1, l2, weights=None, axis=1):
         s2 = [low[j] + high[j] for j in range(2 * d)]
         s2_data += s2 if weights is None else [d * weights for d in s2]
         s2_ids.append(row * l2 + 2 * first)
-    return s1s, _segment_digits(ops, s2_data, s2_ids, l2, rows)
+    *s1s, s2 = _segment_digits(ops, [*groups, (s2_data, s2_ids, l2)], rows)
+    return s1s, s2
 
 
-def _segment_digits(ops, data, starts, length, rows):
-    """Sums of data[j] into digit starts + j (j = 0, 1, ...) of each row: [rows, length].
-
-    starts: one array of digit indices (row * length + D) per group of digits in
-    `data`, consecutive groups of equal size.  Integer sums: any order, one result.
-    """
-    starts = starts if isinstance(starts, list) else [starts]
-    per = len(data) // len(starts)
-    ids = [starts[g] + j for g in range(len(starts)) for j in range(per)]
-    data = ops.reshape(ops.stack(data, -1), [-1])
-    ids = ops.reshape(ops.stack(ids, -1), [-1])
-    out = ops.segment_sum(data, ids, rows * length)
-    return ops.reshape(out, [rows, length])
+def _segment_digits(ops, groups, rows):
+    """Per group (data, starts, length): the sums of data[j] into digit starts + j (j =
+    0, 1, ...) of each row, [rows, length]; starts holds one array of digit indices
+    (row * length + D) per run of equal size in data.  Integer sums: any order, one
+    result.  All groups in one segment sum (each a scatter XLA compiles on its own,
+    with the kernels that lay out its data and indices)."""
+    values, indices, offset = [], [], 0
+    for data, starts, length in groups:
+        per = len(data) // len(starts)
+        ids = [starts[g] + (offset + j) for g in range(len(starts)) for j in range(per)]
+        values.append(ops.reshape(ops.stack(data, -1), [-1]))
+        indices.append(ops.reshape(ops.stack(ids, -1), [-1]))
+        offset = offset + rows * length
+    out = ops.segment_sum(ops.concat(values, 0), ops.concat(indices, 0), offset)
+    sums, at = [], 0
+    for _, _, length in groups:
+        sums.append(ops.reshape(out[at : at + rows * length], [rows, length]))
+        at = at + rows * length
+    return sums
 
 
 def normalise(ops, d):

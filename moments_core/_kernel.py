@@ -128,18 +128,22 @@ def reciprocal_pair(ops, n):
     return h * scale, l * scale
 
 
-def counts(ops, n, ddof):
+def counts(ops, n, ddof, reciprocals=True):
+    """Counts of n (an int, or an int64 array) for ddof; reciprocals=False leaves rn and
+    rd None (the exact path divides by integers).  With ddof 0, rd is rn: for an n not
+    known while tracing, each reciprocal is some 90 operations to trace."""
     if isinstance(n, int):
-        rd = reciprocal_pair(ops, max(n - ddof, 1))
-        return Counts(n, float(n), reciprocal_pair(ops, max(n, 1)), rd)
+        if not reciprocals:
+            return Counts(n, float(n), None, None)
+        rn = reciprocal_pair(ops, max(n, 1))
+        return Counts(n, float(n), rn, reciprocal_pair(ops, max(n - ddof, 1)) if ddof else rn)
     n = ops.cast(n, "int64")
+    if not reciprocals:
+        return Counts(n, ops.cast(n, "float64"), None, None)
     one = ops.ones_like(n)
-    return Counts(
-        n,
-        ops.cast(n, "float64"),
-        reciprocal_pair(ops, ops.maximum(n, one)),
-        reciprocal_pair(ops, ops.maximum(n - ddof, one)),
-    )
+    rn = reciprocal_pair(ops, ops.maximum(n, one))
+    rd = reciprocal_pair(ops, ops.maximum(n - ddof, one)) if ddof else rn
+    return Counts(n, ops.cast(n, "float64"), rn, rd)
 
 
 # ---------------------------------------------------------------- fast path (section 4)
@@ -814,7 +818,7 @@ def exact_fix(ops, parts, axis, ddof, fmt, n, todo, means, var, sums=(), mask=No
     `slice_moments`.
     """
     size = ops.shape(parts[0], axis)
-    c = counts(ops, size if n is None else n, ddof)
+    c = counts(ops, size if n is None else n, ddof, reciprocals=False)
     kept = ops.shape(parts[0], 1 - axis)
     if isinstance(kept, int) and kept == 0:  # no slices: nothing to recompute
         return _special_counts(ops, means, var, c, ddof)
