@@ -1018,6 +1018,7 @@ def _special_rows(ops, special, means, var):
     return [ops.where(any_special, nan, var), *out]
 
 
+# ---------------------------------------------------------------- merged fast path (section 13b)
 def merge_fast(ops, x, axis, fmt, shift, reduce, replicas, n=None, mask=None, ddof=0):
     """The fast path across replicas (section 13b): (mean, var, todo, n) of the union of
     the slices that every replica holds a part of, the same on every replica.
