@@ -112,8 +112,11 @@ def standardize(
     differs between eager and jit: jax issues #30426, #37281).  `algorithm` ("fast" or
     "stable") is accepted and changes nothing then.  A given mean is used as given; a
     given variance too; with a mean given and no variance, the variance is jax's
-    (``algorithm``'s formula about the given mean, not certified).  Integer input is
-    cast to the default float dtype, as jnp.mean does.  Gradients are analytic.
+    (``algorithm``'s formula about the given mean, not certified).  The output is
+    RN(r * RN(1 / sqrt(variance + epsilon))) for float32 and float64 (docs section 14:
+    the same bits on every machine, where XLA's rsqrt varies in its last bit), the plain
+    expression for other dtypes.  Integer input is cast to the default float dtype, as
+    jnp.mean does.  Gradients are analytic.
 
     Args:
       x: a real array.
@@ -155,4 +158,10 @@ def standardize(
             m = jnp.asarray(mean)
             var = jnp.mean(jnp.square(x), axes, keepdims=True, where=mask) - jnp.square(m)
             var = jnp.clip(var, 0)
-    return r * jax.lax.rsqrt(var + epsilon)
+    # RN(r * RN(1 / sqrt(v))) for float32 and float64 (docs section 14): the same bits on
+    # every machine (XLA's rsqrt differs in its last bit between CPUs: this docstring's
+    # example printed 1.2247448 on one and 1.2247449 on another); the plain expression
+    # for other dtypes.  Derivatives: the plain expression's.
+    from jax_kernel._output import scale_shift
+
+    return scale_shift(r, var + epsilon)

@@ -386,6 +386,49 @@ def test_standardize_is_accurate_and_the_same_bits_eager_and_jit(axis, masked):
     )
 
 
+def _rsqrt32_oracle(v):
+    """RN32(1 / sqrt(v)) for a positive float32 v, from exact comparisons: c is the nearest
+    float32 iff the midpoints m- < c < m+ to its neighbours satisfy m-**2 v < 1 < m+**2 v
+    (1 / sqrt(v) is never a midpoint)."""
+    value = Fraction(float(v))
+    c = np.float32(1.0 / math.sqrt(float(v)))
+    for _ in range(4):
+        down, up = np.nextafter(c, np.float32(0)), np.nextafter(c, np.float32(np.inf))
+        low = (Fraction(float(c)) + Fraction(float(down))) / 2
+        high = (Fraction(float(c)) + Fraction(float(up))) / 2
+        if high * high * value < 1:
+            c = up
+        elif low * low * value > 1:
+            c = down
+        else:
+            return c
+    raise AssertionError(f"no nearest float32 to 1/sqrt({v})")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_standardize_output_is_rounded_once_from_its_statistics(jit):
+    """With mean and variance given: y = RN32((x - m) RN32(1 / sqrt(v + eps))), the bits
+    of the exact oracle on every machine (XLA's rsqrt differs in the last bit between
+    CPUs: the docstring's example printed 1.2247449 where 1.2247448 is nearest)."""
+    rng = np.random.default_rng(41)
+    x = rng.normal(3.0, 2.0, (64, 24)).astype(np.float32)
+    mean = rng.normal(3.0, 0.1, (1, 24)).astype(np.float32)
+    variance = rng.uniform(0.01, 50.0, (1, 24)).astype(np.float32)
+    fn = (
+        (lambda a: jax.jit(jax_kernel.standardize, static_argnums=1)(a, 0, mean, variance))
+        if jit
+        else (lambda a: jax_kernel.standardize(a, 0, mean, variance))
+    )
+    got = np.asarray(fn(x))
+    r = x - mean  # float32 subtraction: IEEE in numpy and XLA alike
+    t = np.array([[_rsqrt32_oracle(v) for v in (variance + np.float32(1e-5))[0]]], np.float32)
+    want = np.vectorize(lambda a, b: np.float32(float(Fraction(float(a)) * Fraction(float(b)))))(
+        r, t
+    )
+    want = want.astype(np.float32)  # the exact product of two float32, rounded once
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
 def test_standardize_follows_jax_on_benign_data_and_given_statistics():
     x = np.random.default_rng(9).normal(0.5, 2.0, (8, 16)).astype(np.float32)
     np.testing.assert_allclose(
