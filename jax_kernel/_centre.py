@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_kernel import _functions, _ops, _union
+from jax_kernel import _functions, _ops, _output, _union
 from jax_kernel import _moments as _m
 from moments_core import _kernel
 from moments_core._formats import FORMATS
@@ -158,10 +158,4 @@ def standardize(
             m = jnp.asarray(mean)
             var = jnp.mean(jnp.square(x), axes, keepdims=True, where=mask) - jnp.square(m)
             var = jnp.clip(var, 0)
-    # RN(r * RN(1 / sqrt(v))) for float32 and float64 (docs section 14): the same bits on
-    # every machine (XLA's rsqrt differs in its last bit between CPUs: this docstring's
-    # example printed 1.2247448 on one and 1.2247449 on another); the plain expression
-    # for other dtypes.  Derivatives: the plain expression's.
-    from jax_kernel._output import scale_shift
-
-    return scale_shift(r, var + epsilon)
+    return _output.scale_shift(r, var + epsilon)  # the layers' formula (docstring)

@@ -5,6 +5,9 @@ marks data whose mean is itself the result of cancellation, where the mean is
 held to an absolute bound instead of one ulp.
 """
 
+import math
+from fractions import Fraction
+
 import numpy as np
 
 from tf_stable_moments._report import design_note_datasets
@@ -143,3 +146,20 @@ def mean_lo_cases():
     big = (1e4 + np.random.default_rng(11).standard_normal((1040, 1024))).astype(np.float32)
     cases += [(big, (0,)), (big, (1,))]
     return cases
+
+
+def oracle_rsqrt32(v):
+    """RN32(1 / sqrt(x)) for each positive float32 x of v (any shape), from exact
+    comparisons: t is the nearest float32 iff the midpoints m_low < t < m_high to its
+    neighbours satisfy m_low**2 x > 1 > m_high**2 x (1/sqrt(x) is never a midpoint); the
+    float64 guess t is at most one float32 step off, so one step corrects it."""
+    out = []
+    for x in np.ravel(v):
+        t = np.float32(1 / math.sqrt(float(x)))
+        below, above = np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(np.inf))
+        m_low = (Fraction(float(below)) + Fraction(float(t))) / 2
+        m_high = (Fraction(float(t)) + Fraction(float(above))) / 2
+        x = Fraction(float(x))
+        # 1/sqrt(x) > m  <=>  m**2 x < 1
+        out.append(above if m_high**2 * x < 1 else below if m_low**2 * x > 1 else t)
+    return np.array(out, np.float32).reshape(np.shape(v))

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from datasets import oracle
+from datasets import oracle, oracle_rsqrt32
 from modes import bits, native, xla
 
 import jax_kernel
@@ -386,25 +386,6 @@ def test_standardize_is_accurate_and_the_same_bits_eager_and_jit(axis, masked):
     )
 
 
-def _rsqrt32_oracle(v):
-    """RN32(1 / sqrt(v)) for a positive float32 v, from exact comparisons: c is the nearest
-    float32 iff the midpoints m- < c < m+ to its neighbours satisfy m-**2 v < 1 < m+**2 v
-    (1 / sqrt(v) is never a midpoint)."""
-    value = Fraction(float(v))
-    c = np.float32(1.0 / math.sqrt(float(v)))
-    for _ in range(4):
-        down, up = np.nextafter(c, np.float32(0)), np.nextafter(c, np.float32(np.inf))
-        low = (Fraction(float(c)) + Fraction(float(down))) / 2
-        high = (Fraction(float(c)) + Fraction(float(up))) / 2
-        if high * high * value < 1:
-            c = up
-        elif low * low * value > 1:
-            c = down
-        else:
-            return c
-    raise AssertionError(f"no nearest float32 to 1/sqrt({v})")
-
-
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_standardize_output_is_rounded_once_from_its_statistics(jit):
     """With mean and variance given: y = RN32((x - m) RN32(1 / sqrt(v + eps))), the bits
@@ -421,7 +402,7 @@ def test_standardize_output_is_rounded_once_from_its_statistics(jit):
     )
     got = np.asarray(fn(x))
     r = x - mean  # float32 subtraction: IEEE in numpy and XLA alike
-    t = np.array([[_rsqrt32_oracle(v) for v in (variance + np.float32(1e-5))[0]]], np.float32)
+    t = oracle_rsqrt32(variance + np.float32(1e-5))
     want = np.vectorize(lambda a, b: np.float32(float(Fraction(float(a)) * Fraction(float(b)))))(
         r, t
     )
