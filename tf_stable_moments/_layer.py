@@ -421,6 +421,15 @@ def _backend_centre(name):
 
         return centre
 
+    return _jax_centre()
+
+
+@functools.cache
+def _jax_centre():
+    """The JAX backend's differentiable `_centre`, one jitted function for the process:
+    the layers of a model that share a shape share its trace and that of its derivative
+    (under a training step's linearize each of its operations costs Python time, per
+    layer and per trace)."""
     import jax
 
     from jax_kernel import _moments
@@ -437,7 +446,7 @@ def _backend_centre(name):
         out = centre(x, w, axes)
         return out, _centre_jvp(x, w, axes, out[0], tangents[0])
 
-    return centre
+    return jax.jit(centre, static_argnums=(2,))
 
 
 def _check_backend():
