@@ -212,10 +212,11 @@ def blend32(ops, a, wa, b, wb):
     return round32(ops, p + q)
 
 
-def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
+def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False, t=None):
     """A normalization layer's output from r (centred input), v = var + eps (per slice,
     broadcast against r), gamma and beta (None where absent), all float32, with the
-    per-slice t = rsqrt32(v):
+    per-slice t = rsqrt32(v) (or t as given: the same values from a native call, v then
+    unused):
 
       shared (gamma per slice, as t: BatchNormalization):  y = RN32(RN64(r f + beta)),
           f = times32(gamma, t);
@@ -225,7 +226,8 @@ def scale_shift32(ops, r, v, gamma=None, beta=None, shared=False):
     """
     # Per-slice values as buffers of their own (ops.materialize): XLA would otherwise fuse
     # their chains (some 60 operations) into the per-element pass, once per element.
-    t = ops.materialize(rsqrt32(ops, v))
+    if t is None:
+        t = ops.materialize(rsqrt32(ops, v))
     if gamma is None:
         return times32(ops, r, t) if beta is None else affine32(ops, r, t, beta)
     if shared:

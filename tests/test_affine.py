@@ -355,6 +355,23 @@ def test_native_formula_ops_give_the_xla_formulas_bits(case):
     )
 
 
+@pytest.mark.native
+def test_native_rsqrt_custom_call_is_correctly_rounded():
+    """Under jit_compile on the CPU the layers take the per-channel t = rsqrt32(var + eps)
+    of their output formulas from one custom call (tf_stable_moments_rsqrt): the oracle's
+    bits, and those of the formula compiled by XLA on special values (NaN's too)."""
+    from tf_stable_moments import _native
+
+    call = tf.function(_native.xla_rsqrt, jit_compile=True)
+    v = _positive()
+    _assert_bits(call(tf.constant(v)).numpy(), oracle_rsqrt32(v))
+    special = _f32([0, -0.0, 1e-45, 1e-40, 2.0**-126, 1, np.inf, -np.inf, -1, np.nan, 3e38])
+    _assert_bits(
+        call(tf.constant(special.reshape(1, -1))).numpy().reshape(-1),
+        _run("jax_jit", _affine.rsqrt32, special),
+    )
+
+
 def test_native_scale_shift_rejects_operands_that_do_not_broadcast():
     from tf_stable_moments import _native
 

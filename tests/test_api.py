@@ -527,17 +527,22 @@ def _instructions(hlo):
 
 
 @pytest.mark.native
-def test_under_jit_compile_on_the_cpu_the_layer_is_two_custom_calls():
+def test_under_jit_compile_on_the_cpu_the_layer_is_three_custom_calls():
     """Inside a user's XLA computation on the CPU the native kernels run as XLA custom
-    calls: a BN training step holds one call for mean, variance and mean_lo and one for
-    the stall check, and none of the XLA kernel (no loop: its exact path was most of
-    a model's first jit_compile step, seconds per layer).  The step's XLA module is
-    about as large as keras's and the output formulas' together."""
+    calls: a BN training step holds one call for mean, variance and mean_lo, one for
+    the stall check and one for the output formulas' per-channel t = rsqrt32(var + eps),
+    and none of the XLA kernel (no loop: its exact path was most of a model's first
+    jit_compile step, seconds per layer).  The step's XLA module is about as large as
+    keras's and the output formulas' together."""
     import keras
 
     hlo = _jit_layer_step_hlo(tf_stable_moments.StableBatchNormalization(), "hlo")
     calls = re.findall(r'custom_call_target="([a-z_]+)"', hlo)
-    assert sorted(calls) == ["tf_stable_moments_moments", "tf_stable_moments_stall_check"]
+    assert sorted(calls) == [
+        "tf_stable_moments_moments",
+        "tf_stable_moments_rsqrt",
+        "tf_stable_moments_stall_check",
+    ]
     # No XLA kernel: no loop, and no bitcasts but those of the output formulas (section 14)
     formulas = _formulas_hlo()
     assert " while(" not in hlo

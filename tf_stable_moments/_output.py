@@ -211,14 +211,15 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     @tf.custom_gradient
     def fn(r, v, *present):
         g, b = _unpack(present, gamma, beta)
-        y = _compiled(
-            "scale_shift",
-            _scale_shift_args,
-            (r, v, *present),
-            has_gamma=g is not None,
-            has_beta=b is not None,
-            shared=shared,
-        )
+        options = dict(has_gamma=g is not None, has_beta=b is not None, shared=shared)
+        if kind == 32 and _native_xla_rsqrt(v):
+            # t from one custom call: `rsqrt32`'s chain was compiled into every layer
+            from tf_stable_moments import _native
+
+            t = _native.xla_rsqrt(v)
+            y = _compiled("scale_shift_t", _scale_shift_t_args, (r, t, *present), **options)
+        else:
+            y = _compiled("scale_shift", _scale_shift_args, (r, v, *present), **options)
 
         def grad(dy):
             return [d for d in scale_shift_grad(dy, r, v, g, b, shared) if d is not None]
@@ -233,6 +234,21 @@ def _unpack(present, gamma, beta):
     g = present.pop(0) if gamma is not None else None
     b = present.pop(0) if beta is not None else None
     return g, b
+
+
+def _native_xla_rsqrt(v):
+    """Whether `scale_shift`'s per-slice t comes from the native custom call: inside XLA on
+    the CPU with the native library (`_native.xla_available`: not while tracing portably,
+    for an export), for a float32 v of a static shape."""
+    from tf_stable_moments import _native
+
+    return in_xla_context() and v.shape.is_fully_defined() and _native.xla_available()
+
+
+def _scale_shift_t_args(ops, r, t, *present, has_gamma, has_beta, shared):
+    g = present[0] if has_gamma else None
+    b = present[-1] if has_beta else None
+    return _affine.scale_shift32(ops, r, None, g, b, shared, t=t)
 
 
 def _scale_shift_args(ops, r, v, *present, has_gamma, has_beta, shared):

@@ -388,6 +388,22 @@ def xla_stall_check(moving_mean, mean, variance, momentum, epsilon, threshold, t
     return out
 
 
+def xla_rsqrt(v):
+    """RN32(1 / sqrt(v)) of a float32 tensor of a static shape (`_affine.rsqrt32`, the same
+    bits) as one custom call in the XLA computation being traced; no derivative."""
+    flat = tf.reshape(v, [-1])
+    size = tf.size(flat, out_type=tf.int64)[None]
+    (out,) = _custom_call_op()(
+        operands=[flat, size],
+        call_target_name="tf_stable_moments_rsqrt",
+        backend_config="",
+        has_side_effect=False,
+        result_dtypes=[tf.float32],
+        result_shapes=[flat.shape],
+    )
+    return tf.reshape(out, v.shape)
+
+
 tf.no_gradient("StableMeanLo")  # a rounding error: the layers give mean_lo no tangent
 
 

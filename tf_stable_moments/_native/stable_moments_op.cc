@@ -974,6 +974,19 @@ void tf_stable_moments_state(void* out, const void** in, const char* opaque,
   }
 }
 
+// "tf_stable_moments_rsqrt": Rsqrt32 of a float32 vector inside XLA: the per-channel
+// factor t of the layers' output formulas (docs section 14), the bits of _affine.rsqrt32.
+// As XLA operations it was some 60 operations compiled into every layer (a ResNet50's
+// first jit_compile step: about 1.5 s of 2.5 s over keras's).
+//   in:  v (float32 [n]), int64 [1] n;  out: t (float32 [n])
+void tf_stable_moments_rsqrt(void* out, const void** in, const char*, size_t,
+                             XlaCustomCallStatus*) {
+  const int64_t n = *static_cast<const int64_t*>(in[1]);
+  const float* v = static_cast<const float*>(in[0]);
+  float* t = static_cast<float*>(out);
+  for (int64_t i = 0; i < n; ++i) t[i] = Rsqrt32(v[i]);
+}
+
 // Registered once per process (a second copy of this library, loaded from elsewhere, finds
 // the names taken and leaves them: XLA refuses two addresses for one name).
 struct RegisterXlaTargets {
@@ -984,6 +997,7 @@ struct RegisterXlaTargets {
         {"tf_stable_moments_stall_check",
          reinterpret_cast<void*>(&tf_stable_moments_stall_check)},
         {"tf_stable_moments_state", reinterpret_cast<void*>(&tf_stable_moments_state)},
+        {"tf_stable_moments_rsqrt", reinterpret_cast<void*>(&tf_stable_moments_rsqrt)},
     };
     for (const auto& [name, address] : targets) {
       if (registry->Lookup(name, "Host") == nullptr) registry->Register(name, address, "Host");
