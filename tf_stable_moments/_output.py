@@ -211,15 +211,16 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     @tf.custom_gradient
     def fn(r, v, *present):
         g, b = _unpack(present, gamma, beta)
-        options = dict(has_gamma=g is not None, has_beta=b is not None, shared=shared)
-        if kind == 32 and _native_xla_rsqrt(v):
-            # t from one custom call: `rsqrt32`'s chain was compiled into every layer
-            from tf_stable_moments import _native
-
-            t = _native.xla_rsqrt(v)
-            y = _compiled("scale_shift_t", _scale_shift_t_args, (r, t, *present), **options)
-        else:
-            y = _compiled("scale_shift", _scale_shift_args, (r, v, *present), **options)
+        t = _native_t(v) if kind == 32 else None  # rsqrt32's chain, compiled per layer
+        y = _compiled(
+            "scale_shift",
+            _scale_shift_args,
+            (r, v if t is None else t, *present),
+            has_gamma=g is not None,
+            has_beta=b is not None,
+            shared=shared,
+            given_t=t is not None,
+        )
 
         def grad(dy):
             return [d for d in scale_shift_grad(dy, r, v, g, b, shared) if d is not None]
@@ -236,23 +237,22 @@ def _unpack(present, gamma, beta):
     return g, b
 
 
-def _native_xla_rsqrt(v):
-    """Whether `scale_shift`'s per-slice t comes from the native custom call: inside XLA on
-    the CPU with the native library (`_native.xla_available`: not while tracing portably,
-    for an export), for a float32 v of a static shape."""
+def _native_t(v):
+    """t = rsqrt32(v) of a float32 v as the native custom call where it serves (inside XLA
+    on the CPU with the native library, `_native.xla_available`: not while tracing
+    portably; v of a static shape), else None."""
+    if not in_xla_context() or not v.shape.is_fully_defined():
+        return None
     from tf_stable_moments import _native
 
-    return in_xla_context() and v.shape.is_fully_defined() and _native.xla_available()
+    return _native.xla_rsqrt(v) if _native.xla_available() else None
 
 
-def _scale_shift_t_args(ops, r, t, *present, has_gamma, has_beta, shared):
+def _scale_shift_args(ops, r, v, *present, has_gamma, has_beta, shared, given_t=False):
+    """The formula of r's dtype; given_t: v is the float32 t = rsqrt32(var + eps) itself."""
     g = present[0] if has_gamma else None
     b = present[-1] if has_beta else None
-    return _affine.scale_shift32(ops, r, None, g, b, shared, t=t)
-
-
-def _scale_shift_args(ops, r, v, *present, has_gamma, has_beta, shared):
-    g = present[0] if has_gamma else None
-    b = present[-1] if has_beta else None
+    if given_t:
+        return _affine.scale_shift32(ops, r, None, g, b, shared, t=v)
     scale_shift = _affine.scale_shift64 if r.dtype == tf.float64 else _affine.scale_shift32
     return scale_shift(ops, r, v, g, b, shared)
