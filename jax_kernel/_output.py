@@ -2,7 +2,9 @@
 
 Used by the Keras layers on the JAX backend and by the Flax layers.  float32 and float64
 operands take the formulas whose bits no compiler can change (docs/algorithm.md section
-14); other dtypes and mixed operands the plain expressions.  Derivatives (custom_jvp,
+14); other dtypes and mixed operands the plain expressions.  float32 `rsqrt` is one
+native FFI call in computations lowered for the CPU (the same bits), the XLA formula
+elsewhere and in exported artifacts.  Derivatives (custom_jvp,
 so that jvp, grad and their compositions all work) are those of the plain
 expressions, in the operands' dtype: d(1/sqrt v) = -t**3 / 2 dv, d(a b) = b da + a db,
 d(r f + b) = f dr + r df + db.  `div` and `blend` (renorm's corrections, moving
@@ -14,8 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-from jax_kernel import _ops
+from jax_kernel import _native, _ops
 from moments_core import _affine
 
 
@@ -43,17 +47,62 @@ def _x64(fn):
     return jax.jit(run)
 
 
-def _differentiable(rsqrt_fn, times_fn, affine_fn):
-    """(rsqrt, times, affine) of one kind with the plain expressions' derivatives."""
-    rsqrt_, times_, affine_ = (jax.custom_jvp(_x64(f)) for f in (rsqrt_fn, times_fn, affine_fn))
+def _rsqrt32_xla(v):
+    with jax.enable_x64(True):
+        return _affine.rsqrt32(_ops, v)
 
-    @rsqrt_.defjvp
-    def _rsqrt_jvp(primals, tangents):
-        # the tangent from the plain expression: a few operations that XLA may fuse
-        # anywhere (the certified t's 60 would be recomputed per element where it is
-        # used per element)
-        t = 1.0 / jnp.sqrt(primals[0])
-        return rsqrt_(primals[0]), (-0.5 * t * t * t) * tangents[0]
+
+# float32 rsqrt32 as a primitive lowered per platform (as `jax_kernel._moments._stats_p`
+# chooses the kernel): on the CPU with the native library one FFI call (moments.h
+# `rsqrt32`, the same bits), which XLA does not compile (as some 60 operations per layer
+# it was about 0.6 s of a ResNet50's first jit step); elsewhere, and in an exported
+# artifact, the XLA operations.  `native` (static) says whether the library may serve.
+_rsqrt32_p = Primitive("tf_stable_moments_rsqrt32")
+_rsqrt32_p.def_abstract_eval(lambda v, **_: v)
+
+
+@_rsqrt32_p.def_impl
+def _rsqrt32_impl(v, *, native):
+    """Concrete arrays (eager, or under jax.disable_jit)."""
+    if native and _native.concrete_platform(v) == "cpu":
+        return _native.rsqrt_call(v)
+    return jax.jit(_rsqrt32_xla)(v)
+
+
+def _rsqrt32_lowering(platform):
+    def lower(ctx, v, *, native):
+        native = native and platform == "cpu" and not _native.for_export(ctx)
+        fn = _native.rsqrt_call if native else _rsqrt32_xla
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, v)
+
+    return lower
+
+
+mlir.register_lowering(_rsqrt32_p, _rsqrt32_lowering(None))
+mlir.register_lowering(_rsqrt32_p, _rsqrt32_lowering("cpu"), platform="cpu")
+batching.primitive_batchers[_rsqrt32_p] = lambda args, dims, **params: (
+    _rsqrt32_p.bind(*args, **params),
+    dims[0],
+)  # elementwise
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _rsqrt32(v, native):
+    return _rsqrt32_p.bind(v, native=native)
+
+
+@_rsqrt32.defjvp
+def _rsqrt32_jvp(native, primals, tangents):
+    # the tangent from the plain expression: a few operations that XLA may fuse
+    # anywhere (the certified t's 60 would be recomputed per element where it is used
+    # per element)
+    t = 1.0 / jnp.sqrt(primals[0])
+    return _rsqrt32(primals[0], native), (-0.5 * t * t * t) * tangents[0]
+
+
+def _differentiable(times_fn, affine_fn):
+    """(times, affine) of one kind with the plain expressions' derivatives."""
+    times_, affine_ = (jax.custom_jvp(_x64(f)) for f in (times_fn, affine_fn))
 
     @times_.defjvp
     def _times_jvp(primals, tangents):
@@ -65,24 +114,46 @@ def _differentiable(rsqrt_fn, times_fn, affine_fn):
         (r, f, b), (dr, df, db) = primals, tangents
         return affine_(r, f, b), dr * f + r * df + db
 
-    return rsqrt_, times_, affine_
+    return times_, affine_
 
 
-_RSQRT, _TIMES, _AFFINE = (
+_RSQRT64 = jax.custom_jvp(_x64(_affine.rsqrt64))
+
+
+@_RSQRT64.defjvp
+def _rsqrt64_jvp(primals, tangents):
+    t = 1.0 / jnp.sqrt(primals[0])
+    return _RSQRT64(primals[0]), (-0.5 * t * t * t) * tangents[0]
+
+
+_TIMES, _AFFINE = (
     dict(zip((32, 64), fns))
     for fns in zip(
-        _differentiable(_affine.rsqrt32, _affine.times32, _affine.affine32),
-        _differentiable(_affine.rsqrt64, _affine.times64, _affine.affine64),
+        _differentiable(_affine.times32, _affine.affine32),
+        _differentiable(_affine.times64, _affine.affine64),
     )
 )
 _DIV = {32: _x64(_affine.div32), 64: _x64(_affine.div64)}
 _BLEND = {32: _x64(_affine.blend32), 64: _x64(_affine.blend64)}
 
 
+def _native_allowed():
+    """Whether computations lowered for the CPU may call the native library now
+    (TF_STABLE_MOMENTS_NATIVE, the library loaded): a static argument of the jitted
+    functions, so that switching it takes effect on the next call."""
+    return _native.available()
+
+
+def _rsqrt(v, native):
+    kind = _kind(v)
+    if kind == 32:
+        return _rsqrt32(v, native)
+    return _RSQRT64(v) if kind == 64 else 1.0 / jnp.sqrt(v)
+
+
 def rsqrt(v):
     """1 / sqrt(v): RN(v**-0.5) for float32 and float64 v (the same bits everywhere)."""
-    kind = _kind(v)
-    return _RSQRT[kind](v) if kind else 1.0 / jnp.sqrt(v)
+    return _rsqrt(v, _native_allowed())
 
 
 def div(a, s):
@@ -133,17 +204,17 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
     if not _kind(r, v, gamma, beta):
         scale = 1.0 / jnp.sqrt(v) if gamma is None else gamma / jnp.sqrt(v)
         return r * scale if beta is None else r * scale + beta
-    return _scale_shift(r, v, gamma, beta, bool(shared))
+    return _scale_shift(r, v, gamma, beta, bool(shared), _native_allowed())
 
 
-@functools.partial(jax.jit, static_argnums=(4,))
-def _scale_shift(r, v, gamma, beta, shared):
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _scale_shift(r, v, gamma, beta, shared, native):
     """`scale_shift` of float32 or float64 operands, jitted: the layers of a model that
     share a shape share its trace and the trace of its derivative (under a training
     step's linearize each of its operations costs Python time, per layer)."""
     # Per-slice values as buffers of their own (_ops.materialize): XLA would otherwise
     # fuse their chains into the per-element pass, once per element.
-    t = _ops.materialize(rsqrt(v))
+    t = _ops.materialize(_rsqrt(v, native))
     if gamma is None:
         return affine(r, t, beta)
     if shared:

@@ -362,6 +362,7 @@ def test_native_rsqrt_custom_call_is_correctly_rounded():
     bits, and those of the formula compiled by XLA on special values (NaN's too)."""
     from tf_stable_moments import _native
 
+    assert _native.xla_available()  # loads the library, which registers the call
     call = tf.function(_native.xla_rsqrt, jit_compile=True)
     v = _positive()
     _assert_bits(call(tf.constant(v)).numpy(), oracle_rsqrt32(v))
@@ -370,6 +371,34 @@ def test_native_rsqrt_custom_call_is_correctly_rounded():
         call(tf.constant(special.reshape(1, -1))).numpy().reshape(-1),
         _run("jax_jit", _affine.rsqrt32, special),
     )
+
+
+@pytest.mark.native
+def test_jax_native_rsqrt_ffi_call_is_correctly_rounded():
+    """On JAX the layers' t = rsqrt32(var + eps) (jax_kernel._output) is one FFI call in a
+    computation lowered for the CPU (StableRsqrt, moments.h `rsqrt32`): the oracle's bits,
+    and those of the XLA formula on special values (NaN's too), jitted, eagerly, under
+    disable_jit and vmap; lowered for a device or exported, the XLA formula."""
+    from jax_kernel import _native as jax_native
+    from jax_kernel import _output as jax_output
+
+    jitted = jax.jit(jax_output.rsqrt)
+    assert f"@{jax_native.RSQRT_TARGET}" in jitted.trace(np.ones(3, np.float32)).lower().as_text()
+    v = _positive()
+    _assert_bits(np.asarray(jitted(v)), oracle_rsqrt32(v))
+    special = _f32([0, -0.0, 1e-45, 1e-40, 2.0**-126, 1, np.inf, -np.inf, -1, np.nan, 3e38, 4])
+    want = _run("jax_jit", _affine.rsqrt32, special)
+    _assert_bits(np.asarray(jitted(special)), want)
+    _assert_bits(np.asarray(jax_output.rsqrt(jax.numpy.asarray(special))), want)
+    with jax.disable_jit():
+        _assert_bits(np.asarray(jax_output.rsqrt(jax.numpy.asarray(special))), want)
+    _assert_bits(np.asarray(jax.vmap(jitted)(special.reshape(3, 4))).reshape(-1), want)
+    for platforms in (("cuda",), ("tpu",)):
+        lowered = jitted.trace(special).lower(lowering_platforms=platforms).as_text()
+        assert "custom_call" not in lowered, platforms
+    exported = jax.export.export(jitted, platforms=("cpu", "cuda"))(special)
+    assert "custom_call" not in exported.mlir_module()
+    _assert_bits(np.asarray(exported.call(special)), want)
 
 
 def test_native_scale_shift_rejects_operands_that_do_not_broadcast():

@@ -30,6 +30,7 @@ LO_TARGET, LO_SYMBOL = "tf_stable_moments_native_mean_lo", "StableMeanLo"
 STALL_TARGET, STALL_SYMBOL = "tf_stable_moments_native_stall_check", "StableStallCheck"
 STATE_TARGET, STATE_SYMBOL = "tf_stable_moments_native_state", "StableState"
 FINISH_TARGET, FINISH_SYMBOL = "tf_stable_moments_native_state_moments", "StableStateMoments"
+RSQRT_TARGET, RSQRT_SYMBOL = "tf_stable_moments_native_rsqrt", "StableRsqrt"
 
 _LOCK = threading.Lock()
 _STATE = {"tried": False, "lib": None, "error": None}
@@ -74,6 +75,7 @@ def _open(path):
         (STALL_TARGET, getattr(lib, STALL_SYMBOL)),
         (STATE_TARGET, getattr(lib, STATE_SYMBOL)),
         (FINISH_TARGET, getattr(lib, FINISH_SYMBOL)),
+        (RSQRT_TARGET, getattr(lib, RSQRT_SYMBOL)),
     ]
     lib.SetStallReporter.argtypes = [_REPORTER]
     lib.SetStallReporter.restype = None
@@ -230,6 +232,18 @@ def state_moments_call(values, ddof, fmt, parts, l1, l2, carrier):
             l1=np.int64(l1),
             l2=np.int64(l2),
         )
+
+
+def rsqrt_call(v):
+    """RN32(1 / sqrt(v)) of every element of float32 v (moments.h `rsqrt32`, the bits of
+    `moments_core._affine.rsqrt32`) as one FFI call (CPU only): the per-channel factor of
+    the layers' output formulas (`jax_kernel._output`, docs section 14)."""
+    if load() is None:
+        raise RuntimeError("rsqrt_call: the native kernel is unavailable or switched off")
+    call = jax.ffi.ffi_call(
+        RSQRT_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype), vmap_method="expand_dims"
+    )
+    return call(v)
 
 
 def for_export(ctx):

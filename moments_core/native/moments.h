@@ -1736,6 +1736,59 @@ void residuals(const T* x, int64_t outer, int64_t n, int64_t inner, const T* mea
   }
 }
 
+// ---- The layers' output formulas (docs section 14): the per-channel factor t ----------
+// Used by the TF op StableScaleShift, the TF custom call tf_stable_moments_rsqrt and the
+// JAX FFI call StableRsqrt: one definition, the bits of moments_core/_affine.py rsqrt32.
+
+// float32 below the normal range flushed to a zero of its sign (as TF and JAX on the CPU).
+inline float flush32(float a) {
+  return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a;
+}
+
+inline uint32_t bits32(float a) {
+  uint32_t u;
+  std::memcpy(&u, &a, 4);
+  return u;
+}
+
+inline float from_bits32(uint32_t u) {
+  float a;
+  std::memcpy(&a, &u, 4);
+  return a;
+}
+
+// m * m * v < 1 exactly, for m of at most 25 bits and m * m * v within a factor 2 of 1
+// (_affine._square_times_below_one): m * m is exact (50 bits), split into h (its leading
+// 25 bits) and l (exact), h * v and l * v are exact, h * v - 1 is exact (Sterbenz).
+inline bool square_times_below_one(double m, double v) {
+  double mm = m * m;
+  uint64_t u;
+  std::memcpy(&u, &mm, 8);
+  u &= ~((uint64_t{1} << 28) - 1);
+  double h;
+  std::memcpy(&h, &u, 8);
+  double l = mm - h;
+  return h * v - 1.0 < -(l * v);
+}
+
+// RN32(1 / sqrt(v)) (_affine.rsqrt32): a guess from double (relative error far below
+// 2**-30, so within one float32 ulp), corrected by the exact tests at the midpoints to its
+// neighbours (1 / sqrt(v) is never a midpoint: no ties); v = 0 gives inf, inf gives 0,
+// NaN and v < 0 give NaN.
+inline float rsqrt32(float v) {
+  if (v != v || v < 0.0f) return std::numeric_limits<float>::quiet_NaN();
+  double v64 = flush32(v);
+  float t = static_cast<float>(1.0 / std::sqrt(v64));
+  if (!(t > 0.0f && t < INFINITY)) return t;
+  float down = from_bits32(bits32(t) - 1), up = from_bits32(bits32(t) + 1);
+  double t64 = t;
+  double m_down = (static_cast<double>(down) + t64) * 0.5;
+  double m_up = (t64 + static_cast<double>(up)) * 0.5;
+  if (square_times_below_one(m_up, v64)) return up;
+  if (!square_times_below_one(m_down, v64)) return down;
+  return t;
+}
+
 // The layers' stall test (tf_stable_moments/_advice.py `check`; the TF op
 // StableStallCheck and the JAX FFI call stable_stall_check): some channel's float32
 // moving mean cannot follow the batch mean, i.e. |mean - moving| * (1 - momentum) is

@@ -627,57 +627,13 @@ REGISTER_OP("StableBlend")
       return Status();
     });
 
-inline float Flush(float a) {
-  return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a;
-}
+inline float Flush(float a) { return stable_moments::flush32(a); }
 
 // The formulas' float32 result: flushed, and any NaN the quiet NaN 0x7FC00000
 // (_affine.canonical_nan: a NaN's sign and payload follow the operand order).
 inline float Round(double a) {
   const float y = Flush(static_cast<float>(a));
   return y != y ? std::numeric_limits<float>::quiet_NaN() : y;
-}
-
-inline uint32_t Bits(float a) {
-  uint32_t u;
-  std::memcpy(&u, &a, 4);
-  return u;
-}
-
-inline float FromBits(uint32_t u) {
-  float a;
-  std::memcpy(&a, &u, 4);
-  return a;
-}
-
-// m * m * v < 1 exactly, for m of at most 25 bits and m * m * v within a factor 2 of 1
-// (_affine._square_times_below_one): m * m is exact (50 bits), split into h (its leading
-// 25 bits) and l (exact), h * v and l * v are exact, h * v - 1 is exact (Sterbenz).
-inline bool SquareTimesBelowOne(double m, double v) {
-  double mm = m * m;
-  uint64_t u;
-  std::memcpy(&u, &mm, 8);
-  u &= ~((uint64_t{1} << 28) - 1);
-  double h;
-  std::memcpy(&h, &u, 8);
-  double l = mm - h;
-  return h * v - 1.0 < -(l * v);
-}
-
-// RN32(1 / sqrt(v)) (_affine.rsqrt32): a guess from double, corrected by the exact tests
-// at the midpoints to its neighbours; 0, inf, NaN and negative v keep the guess.
-inline float Rsqrt32(float v) {
-  if (v != v || v < 0.0f) return std::numeric_limits<float>::quiet_NaN();
-  double v64 = Flush(v);
-  float t = static_cast<float>(1.0 / std::sqrt(v64));
-  if (!(t > 0.0f && t < INFINITY)) return t;
-  float down = FromBits(Bits(t) - 1), up = FromBits(Bits(t) + 1);
-  double t64 = t;
-  double m_down = (static_cast<double>(down) + t64) * 0.5;
-  double m_up = (t64 + static_cast<double>(up)) * 0.5;
-  if (SquareTimesBelowOne(m_up, v64)) return up;
-  if (!SquareTimesBelowOne(m_down, v64)) return down;
-  return t;
 }
 
 // Strides (in elements) of `operand` broadcast against `shape` (numpy rules: trailing
@@ -780,7 +736,7 @@ class StableScaleShiftOp : public OpKernel {
     }
     const float* v = ctx->input(1).flat<float>().data();
     std::vector<float> t(ctx->input(1).NumElements());
-    for (size_t i = 0; i < t.size(); ++i) t[i] = Rsqrt32(v[i]);
+    for (size_t i = 0; i < t.size(); ++i) t[i] = stable_moments::rsqrt32(v[i]);
     const float* rr = r.flat<float>().data();
     const float* g = ctx->input(2).flat<float>().data();
     const float* b = ctx->input(3).flat<float>().data();
@@ -974,7 +930,7 @@ void tf_stable_moments_state(void* out, const void** in, const char* opaque,
   }
 }
 
-// "tf_stable_moments_rsqrt": Rsqrt32 of a float32 vector inside XLA: the per-channel
+// "tf_stable_moments_rsqrt": rsqrt32 (moments.h) of a float32 vector inside XLA: the per-channel
 // factor t of the layers' output formulas (docs section 14), the bits of _affine.rsqrt32.
 // As XLA operations it was some 60 operations compiled into every layer (a ResNet50's
 // first jit_compile step: about 1.5 s of 2.5 s over keras's).
@@ -984,7 +940,7 @@ void tf_stable_moments_rsqrt(void* out, const void** in, const char*, size_t,
   const int64_t n = *static_cast<const int64_t*>(in[1]);
   const float* v = static_cast<const float*>(in[0]);
   float* t = static_cast<float*>(out);
-  for (int64_t i = 0; i < n; ++i) t[i] = Rsqrt32(v[i]);
+  for (int64_t i = 0; i < n; ++i) t[i] = stable_moments::rsqrt32(v[i]);
 }
 
 // Registered once per process (a second copy of this library, loaded from elsewhere, finds
