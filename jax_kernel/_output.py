@@ -211,12 +211,52 @@ def scale_shift(r, v, gamma=None, beta=None, shared=False):
 def _scale_shift(r, v, gamma, beta, shared, native):
     """`scale_shift` of float32 or float64 operands, jitted: the layers of a model that
     share a shape share its trace and the trace of its derivative (under a training
-    step's linearize each of its operations costs Python time, per layer)."""
+    step's linearize each of its operations costs Python time, per layer).  One
+    custom_jvp for the whole formula rather than one per step (the same derivatives, bit
+    for bit): a ResNet50's first JAX jit step 1.11-1.26x -> 0.94-1.14x keras's."""
+    return _scale_shift_jvp(r, v, gamma, beta, shared, native)
+
+
+def _scale_shift_values(r, v, gamma, beta, shared, native):
+    """(y, t, u): the output, t = rsqrt(v) and u = times(gamma, t) (shared) or times(r, t)
+    (gamma per feature; else None) by the certified formulas, each differentiable
+    (their derivatives serve the tangent rule's own: second order)."""
+    kind = _kind(r, v, gamma, beta)
+    times_, affine_ = _TIMES[kind], _AFFINE[kind]
     # Per-slice values as buffers of their own (_ops.materialize): XLA would otherwise
     # fuse their chains into the per-element pass, once per element.
     t = _ops.materialize(_rsqrt(v, native))
     if gamma is None:
-        return affine(r, t, beta)
+        return (times_(r, t) if beta is None else affine_(r, t, beta)), t, None
     if shared:
-        return affine(r, _ops.materialize(times(gamma, t)), beta)
-    return affine(times(r, t), gamma, beta)
+        f = _ops.materialize(times_(gamma, t))
+        return (times_(r, f) if beta is None else affine_(r, f, beta)), t, f
+    rt = times_(r, t)
+    return (times_(rt, gamma) if beta is None else affine_(rt, gamma, beta)), t, rt
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _scale_shift_jvp(r, v, gamma, beta, shared, native):
+    return _scale_shift_values(r, v, gamma, beta, shared, native)[0]
+
+
+@_scale_shift_jvp.defjvp
+def _scale_shift_tangent(shared, native, primals, tangents):
+    """The plain expressions' derivatives, step by step as the formulas compose:
+    d(1/sqrt v) = -t**3 / 2 dv (t by the plain expression), d(a b) = b da + a db,
+    d(r f + b) = f dr + r df + db, with the certified values where the formulas use them."""
+    r, v, gamma, beta = primals
+    dr, dv, dgamma, dbeta = tangents
+    y, t, u = _scale_shift_values(r, v, gamma, beta, shared, native)
+    tp = 1.0 / jnp.sqrt(v)
+    dt = (-0.5 * tp * tp * tp) * dv
+
+    def d_affine(a, da, c, dc, db):  # d(a c + b)
+        out = da * c + a * dc
+        return out if db is None else out + db
+
+    if gamma is None:
+        return y, d_affine(r, dr, t, dt, dbeta)
+    if shared:  # u = f = gamma t
+        return y, d_affine(r, dr, u, dgamma * t + gamma * dt, dbeta)
+    return y, d_affine(u, dr * t + r * dt, gamma, dgamma, dbeta)  # u = r t
