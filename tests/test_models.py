@@ -440,6 +440,21 @@ def test_jax_backend_stall_warns_once_under_jit_from_one_custom_call(jax_result)
     assert stall["ffi_check"] and not stall["cond"], stall
 
 
+@pytest.mark.native
+def test_jax_backend_step_on_the_cpu_is_native_calls_and_on_a_device_none(jax_result):
+    """A BN layer's gradient step lowered for the CPU takes its statistics, mean_lo and the
+    output formulas' per-channel t = rsqrt32(var + eps) from native FFI calls (as the
+    XLA kernel and formula they were seconds of a ResNet50's first step); lowered for a
+    GPU or TPU it holds none (the XLA kernel and formulas: no host call)."""
+    calls = jax_result["step_calls"]
+    assert calls["cpu"] == [
+        "tf_stable_moments_native_mean_lo",
+        "tf_stable_moments_native_moments",
+        "tf_stable_moments_native_rsqrt",
+    ], calls
+    assert calls["cuda"] == calls["tpu"] == [], calls
+
+
 def test_jax_backend_fit_partial_last_batch_and_reload(jax_result):
     fit = jax_result["fit"]
     assert fit["bn_classes"] == ["StableBatchNormalization"] * 3
