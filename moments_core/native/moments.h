@@ -1632,6 +1632,19 @@ inline double lo_term(T v, double mean, double down, double tiny) {
   }
 }
 
+// t[i] += lo_term(rows[k][i]) over `rows` rows of `width` columns: a function of its own
+// with __restrict operands, which g++ 12 vectorises (inside mean_lo's lambda, with its
+// captures, it did not: 5.8 ms for float32 [65536, 64], 3.4x the moments themselves).
+template <typename T>
+void lo_columns(const T* __restrict x, int64_t rows, int64_t width,
+                const double* __restrict mean, const double* __restrict down, double tiny,
+                double* __restrict t) {
+  for (int64_t k = 0; k < rows; ++k) {
+    const T* __restrict row = x + k * width;
+    for (int64_t i = 0; i < width; ++i) t[i] += lo_term(row[i], mean[i], down[i], tiny);
+  }
+}
+
 // x [outer, n, inner] (parts 2: [outer, n, inner, 2]), mean [outer, inner(, 2)] and var
 // [outer, inner] as the moments call returned them -> lo, laid out like mean.  Every term
 // is an integer and sum |term| < 2**52 (section 9), so every partial sum is exact: the
@@ -1653,15 +1666,16 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
   const int helpers = outer * n * width >= kThreadMin ? std::max(1, threads) - 1 : 0;
   if (width == 1) {  // contiguous slices (a LayerNormalization): 8 chains per slice
     auto rows = [&](int64_t first, int64_t last) {
+      const double tn = tiny;  // a local: read through the capture it blocked vectorising
       for (int64_t o = first; o < last; ++o) {
         const T* row = x + o * n;
         const double mo = m[o], dn = down[o];
         double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t k = 0;
         for (; k + 8 <= n; k += 8) {
-          for (int j = 0; j < 8; ++j) acc[j] += lo_term(row[k + j], mo, dn, tiny);
+          for (int j = 0; j < 8; ++j) acc[j] += lo_term(row[k + j], mo, dn, tn);
         }
-        for (; k < n; ++k) acc[0] += lo_term(row[k], mo, dn, tiny);
+        for (; k < n; ++k) acc[0] += lo_term(row[k], mo, dn, tn);
         total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     };
@@ -1676,12 +1690,8 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
   } else {
     // rows [first, last) of block o added into t (width totals)
     auto block = [&](int64_t o, int64_t first, int64_t last, double* t) {
-      const double* mo = m.data() + o * width;
-      const double* dn = down.data() + o * width;
-      for (int64_t k = first; k < last; ++k) {
-        const T* row = x + (o * n + k) * width;
-        for (int64_t i = 0; i < width; ++i) t[i] += lo_term(row[i], mo[i], dn[i], tiny);
-      }
+      lo_columns(x + (o * n + first) * width, last - first, width, m.data() + o * width,
+                 down.data() + o * width, tiny, t);
     };
     const int64_t cuts = helpers ? std::min<int64_t>(n, 4 * (helpers + 1)) : 1;
     if (cuts <= 1) {
@@ -1717,22 +1727,35 @@ inline T flush_subnormal(T v) {
 
 template <typename T>
 void residuals(const T* x, int64_t outer, int64_t n, int64_t inner, const T* mean,
-               const T* lo, T* r) {
+               const T* lo, T* r, int threads = 1) {
   std::vector<T> m(static_cast<size_t>(outer * inner)), l(m.size());
   for (size_t s = 0; s < m.size(); ++s) {
     m[s] = flush_subnormal(mean[s]);
     l[s] = flush_subnormal(lo[s]);
   }
-  for (int64_t o = 0; o < outer; ++o) {
-    const T* mo = m.data() + o * inner;
-    const T* lo_o = l.data() + o * inner;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t at = (o * n + k) * inner;
+  // rows [first, last) of x as [outer * n, inner]: each element on its own, so the rows
+  // may be cut between threads (inputs of kThreadMin elements or more) with the same bits
+  auto rows = [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const T* __restrict mo = m.data() + (row / n) * inner;
+      const T* __restrict lo_o = l.data() + (row / n) * inner;
+      const T* __restrict xr = x + row * inner;
+      T* __restrict rr = r + row * inner;
       for (int64_t i = 0; i < inner; ++i) {
-        const T d = flush_subnormal(static_cast<T>(flush_subnormal(x[at + i]) - mo[i]));
-        r[at + i] = flush_subnormal(static_cast<T>(d - lo_o[i]));
+        const T d = flush_subnormal(static_cast<T>(flush_subnormal(xr[i]) - mo[i]));
+        rr[i] = flush_subnormal(static_cast<T>(d - lo_o[i]));
       }
     }
+  };
+  const int64_t total = outer * n;
+  const int helpers = total * inner >= kThreadMin ? std::max(1, threads) - 1 : 0;
+  const int64_t chunks = helpers ? std::min<int64_t>(total, 4 * (helpers + 1)) : 1;
+  if (chunks <= 1) {
+    rows(0, total);
+  } else {
+    run_chunks(helpers, chunks, [&](int64_t c, int) {
+      rows(c * total / chunks, (c + 1) * total / chunks);
+    });
   }
 }
 

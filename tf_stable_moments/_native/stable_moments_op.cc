@@ -334,7 +334,8 @@ class StableCentreOp : public OpKernel {
                                threads);
     stable_moments::mean_lo<T>(xs, l.outer, l.n, l.inner, 1, a_.ddof, a_.format, mean, var, lo,
                                threads);
-    stable_moments::residuals<T>(xs, l.outer, l.n, l.inner, mean, lo, out[0]->flat<T>().data());
+    stable_moments::residuals<T>(xs, l.outer, l.n, l.inner, mean, lo, out[0]->flat<T>().data(),
+                                threads);
   }
 
  private:
