@@ -91,13 +91,17 @@ def _rsqrt32(v, native):
     return _rsqrt32_p.bind(v, native=native)
 
 
+def _rsqrt_tangent(v, dv):
+    """d(1/sqrt v) = -t**3 / 2 dv with t from the plain expression: a few operations that
+    XLA may fuse anywhere (the certified t's 60 would be recomputed per element where
+    the tangent is used per element)."""
+    t = 1.0 / jnp.sqrt(v)
+    return (-0.5 * t * t * t) * dv
+
+
 @_rsqrt32.defjvp
 def _rsqrt32_jvp(native, primals, tangents):
-    # the tangent from the plain expression: a few operations that XLA may fuse
-    # anywhere (the certified t's 60 would be recomputed per element where it is used
-    # per element)
-    t = 1.0 / jnp.sqrt(primals[0])
-    return _rsqrt32(primals[0], native), (-0.5 * t * t * t) * tangents[0]
+    return _rsqrt32(primals[0], native), _rsqrt_tangent(primals[0], tangents[0])
 
 
 def _differentiable(times_fn, affine_fn):
@@ -122,8 +126,7 @@ _RSQRT64 = jax.custom_jvp(_x64(_affine.rsqrt64))
 
 @_RSQRT64.defjvp
 def _rsqrt64_jvp(primals, tangents):
-    t = 1.0 / jnp.sqrt(primals[0])
-    return _RSQRT64(primals[0]), (-0.5 * t * t * t) * tangents[0]
+    return _RSQRT64(primals[0]), _rsqrt_tangent(primals[0], tangents[0])
 
 
 _TIMES, _AFFINE = (
@@ -248,8 +251,7 @@ def _scale_shift_tangent(shared, native, primals, tangents):
     r, v, gamma, beta = primals
     dr, dv, dgamma, dbeta = tangents
     y, t, u = _scale_shift_values(r, v, gamma, beta, shared, native)
-    tp = 1.0 / jnp.sqrt(v)
-    dt = (-0.5 * tp * tp * tp) * dv
+    dt = _rsqrt_tangent(v, dv)
 
     def d_affine(a, da, c, dc, db):  # d(a c + b)
         out = da * c + a * dc

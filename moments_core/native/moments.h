@@ -1763,11 +1763,6 @@ void residuals(const T* x, int64_t outer, int64_t n, int64_t inner, const T* mea
 // Used by the TF op StableScaleShift, the TF custom call tf_stable_moments_rsqrt and the
 // JAX FFI call StableRsqrt: one definition, the bits of moments_core/_affine.py rsqrt32.
 
-// float32 below the normal range flushed to a zero of its sign (as TF and JAX on the CPU).
-inline float flush32(float a) {
-  return std::fabs(a) < 1.17549435e-38f ? std::copysign(0.0f, a) : a;
-}
-
 inline uint32_t bits32(float a) {
   uint32_t u;
   std::memcpy(&u, &a, 4);
@@ -1800,7 +1795,7 @@ inline bool square_times_below_one(double m, double v) {
 // NaN and v < 0 give NaN.
 inline float rsqrt32(float v) {
   if (v != v || v < 0.0f) return std::numeric_limits<float>::quiet_NaN();
-  double v64 = flush32(v);
+  double v64 = flush_subnormal(v);  // as TF and JAX read it on the CPU
   float t = static_cast<float>(1.0 / std::sqrt(v64));
   if (!(t > 0.0f && t < INFINITY)) return t;
   float down = from_bits32(bits32(t) - 1), up = from_bits32(bits32(t) + 1);

@@ -628,7 +628,7 @@ REGISTER_OP("StableBlend")
       return Status();
     });
 
-inline float Flush(float a) { return stable_moments::flush32(a); }
+inline float Flush(float a) { return stable_moments::flush_subnormal(a); }
 
 // The formulas' float32 result: flushed, and any NaN the quiet NaN 0x7FC00000
 // (_affine.canonical_nan: a NaN's sign and payload follow the operand order).
