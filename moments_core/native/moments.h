@@ -1666,16 +1666,15 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
   const int helpers = outer * n * width >= kThreadMin ? std::max(1, threads) - 1 : 0;
   if (width == 1) {  // contiguous slices (a LayerNormalization): 8 chains per slice
     auto rows = [&](int64_t first, int64_t last) {
-      const double tn = tiny;  // a local: read through the capture it blocked vectorising
       for (int64_t o = first; o < last; ++o) {
         const T* row = x + o * n;
         const double mo = m[o], dn = down[o];
         double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         int64_t k = 0;
         for (; k + 8 <= n; k += 8) {
-          for (int j = 0; j < 8; ++j) acc[j] += lo_term(row[k + j], mo, dn, tn);
+          for (int j = 0; j < 8; ++j) acc[j] += lo_term(row[k + j], mo, dn, tiny);
         }
-        for (; k < n; ++k) acc[0] += lo_term(row[k], mo, dn, tn);
+        for (; k < n; ++k) acc[0] += lo_term(row[k], mo, dn, tiny);
         total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     };
