@@ -30,11 +30,18 @@ MASK = (1 << RADIX_BITS) - 1
 MAX_N_BITS = 46
 
 
-def lengths(fmt):
-    """Digit counts of S1 and of S2 (and N) for inputs of `fmt`, with room for n < 2**46."""
+def lengths(fmt, aligned=False):
+    """Digit counts of S1 and of S2 (and N) for inputs of `fmt`, with room for n < 2**46.
+
+    aligned: S2's count rounded up to a multiple of 8 (more zero digits), for the exact
+    path's working arrays: XLA's CPU backend compiled small fusions over rows of 57
+    digits (float32) 2-3x slower than over rows of 64 (0.1 s for a select of two
+    [16, 57] int64 arrays, 0.03 s for [16, 64]), vectorising each row with a remainder.
+    The states of section 13 keep the exact counts."""
     l1 = (fmt.top + 53 + MAX_N_BITS) // RADIX_BITS + 2
     l2 = 2 * ((fmt.top + 53) // RADIX_BITS) + (2 * MAX_N_BITS) // RADIX_BITS + 14
-    return l1, max(l2, 2 * l1)
+    l2 = max(l2, 2 * l1)
+    return l1, -(-l2 // 8) * 8 if aligned else l2
 
 
 def decompose(ops, x, fmt, base=None):
@@ -88,7 +95,7 @@ def sums_digits(ops, parts, n, fmt):
     n B - A**2 (the variance does not see the shift): integers in units of
     2**base and 2**(2 base).  Digits not normalised.
     """
-    l1, l2 = lengths(fmt)
+    l1, l2 = lengths(fmt, aligned=True)
     means, shifted, s2 = [], [], None
     for k, a, b in parts:
         da = digits_of(ops, a, fmt.base, l1, fmt)
@@ -186,7 +193,10 @@ def magnitudes(ops, d):
     """(|value| digits, negative) of digits [rows, L] (|digit| < 2**62), normalised: the
     value and its negation carried together (one loop), each row's non-negative one kept."""
     rows = ops.shape(d, 0)
-    both = normalise(ops, ops.concat([d, -d], 0))
+    # [d; -d] as d times the signs (1, -1) broadcast: XLA's CPU backend compiled the
+    # concatenate of d and its negation (s64 [48, 57]) in 0.1-0.27 s, the product in 0.04 s.
+    sign = ops.reshape(1 - 2 * ops.iota(2, "int64"), [2, 1, 1])
+    both = normalise(ops, ops.reshape(ops.expand_dims(d, 0) * sign, [2 * rows, -1]))
     plus, minus = both[:rows], both[rows:]
     negative = plus[:, -1] < 0
     return ops.where(ops.expand_dims(negative, 1), minus, plus), negative
@@ -301,9 +311,9 @@ def exact_moments(ops, parts, valid, n, ddof, fmt, weights=None):
     weights: None or int64 [rows, size] integer frequencies, n their sums: the
     weighted mean S1 / n and variance (n S2 - S1**2) / (n (n - ddof)).
     """
-    l1, l2 = lengths(fmt)
+    l1, l2 = lengths(fmt, aligned=True)
     s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2, weights)
-    return finish(ops, s1s, s1s, s2, n, ddof, fmt)
+    return finish(ops, s1s, None, s2, n, ddof, fmt)
 
 
 def finish(ops, means, shifted, s2, n, ddof, fmt):
@@ -311,18 +321,18 @@ def finish(ops, means, shifted, s2, n, ddof, fmt):
     (n S2 - sum S1'**2) / (n (n - ddof)), from digits (not normalised, [rows, <= l2]).
 
     means: the S1 of each part (the sum of its X); shifted: the S1' of each part that
-    goes with S2 (S1' = S1 for sums of the elements; shifted sums, see `sums_digits`).
-    Everything is carried, made non-negative and rounded as the blocks of one stacked
-    array, so that compiled code holds each carry loop and the rounding once, whatever
-    the number of parts and whichever sums the rows come from.
+    goes with S2 (shifted sums, see `sums_digits`), or None for sums of the elements
+    (S1' = S1: carried once).  Everything is carried, made non-negative and rounded as
+    the blocks of one stacked array, so that compiled code holds each carry loop and the
+    rounding once, whatever the number of parts and whichever sums the rows come from.
     """
-    l1, l2 = lengths(fmt)
+    l1, l2 = lengths(fmt, aligned=True)
     k = len(means)
     rows = ops.shape(s2, 0)
-    blocks = [*means, *shifted, s2]
+    blocks = [*means, *(shifted or []), s2]
     sums, negative = magnitudes(ops, ops.concat([resize(ops, b, l2) for b in blocks], 0))
-    num = sums[2 * k * rows :] * ops.expand_dims(n, 1)
-    for i in range(k, 2 * k):
+    num = sums[(len(blocks) - 1) * rows :] * ops.expand_dims(n, 1)
+    for i in range(k, 2 * k) if shifted else range(k):
         magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1'| < 2**(16 l1)
         num = num - resize(ops, multiply(ops, magnitude, magnitude), l2)
     num = normalise(ops, num)

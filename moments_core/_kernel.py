@@ -874,31 +874,33 @@ def _batched(ops, todos, batches, compute, values):
     g and calls compute(picks) once (picks: one [batches[g]] index array per group), which
     returns the new values of all picked slices, group after group ([sum(batches)] each).
     Unused places (and every place of a group with none left) compute on some slice and
-    are written to a dummy slot (appended here, removed at the end)."""
-    groups = len(batches)
+    are written to a dummy slot (appended here, removed at the end).
 
-    def body(*state):
-        todos, values = state[:groups], state[groups:]
-        picks = [_pick(ops, t, b) for t, b in zip(todos, batches)]
+    The loop's state is one float64 table, a row per slice: its values, then a flag
+    (1.0 or 0.0) per group; an iteration writes the picked rows (new values, flags 0) in
+    one scatter.  The groups mark disjoint slices, so clearing every flag of a picked row
+    clears only its own.  (A scatter per value and per flag array compiled to a kernel
+    each: 4 -> 2 scatters per call, with the segment sum of the digits.)"""
+    groups, k = len(batches), len(values)
+
+    def flags(table):
+        return [table[:, k + g] > 0.0 for g in range(groups)]
+
+    def body(table):
+        picks = [_pick(ops, t, b) for t, b in zip(flags(table), batches)]
         new = compute([gather for gather, _ in picks])
         write = ops.concat([w for _, w in picks], 0)
-        values = [ops.scatter(v, write, nv) for v, nv in zip(values, new)]
-        todos = [
-            ops.scatter(t, w, ops.zeros([b], "bool")) for t, (_, w), b in zip(todos, picks, batches)
-        ]
-        return (*todos, *values)
+        done = [ops.zeros_like(new[0])] * groups
+        return (ops.scatter(table, write, ops.stack([*new, *done], 1)),)
 
-    def pending(*state):
-        out = None
-        for t in state[:groups]:
-            out = ops.any(t) if out is None else (out | ops.any(t))
-        return out
+    def pending(table):
+        return ops.any(table[:, k:] > 0.0)
 
-    start = [ops.concat([t, ops.zeros([1], "bool")], 0) for t in todos]
-    start += [ops.concat([v, ops.zeros([1], "float64")], 0) for v in values]
-    state = ops.while_loop(pending, body, tuple(start))
+    start = ops.stack([*values, *(ops.cast(t, "float64") for t in todos)], 1)
+    start = ops.concat([start, ops.zeros([1, k + groups], "float64")], 0)
+    table = ops.while_loop(pending, body, (start,))[0]
     kept = ops.shape(values[0], 0)
-    return [v[:kept] for v in state[groups:]]
+    return [table[:kept, j] for j in range(k)]
 
 
 def _rows(ops, x, idx, axis):
@@ -946,7 +948,7 @@ def _exact_loop(
         k = count if mask is None else ops.take(count, idx, 0)
         n_rows = ops.zeros([batch], "int64") + k
         clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
-        l1, l2 = _exact.lengths(fmt)
+        l1, l2 = _exact.lengths(fmt, aligned=True)
         s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
         # Blocks of rows to stack: per part the S1 of the means and the S1' that goes
         # with S2 (the same for the elements), S2 and the counts.
@@ -971,7 +973,7 @@ def _exact_loop(
         mean_bits, var_bits = _exact.finish(
             ops,
             [stack(b) for b in means_d],
-            [stack(b) for b in shifted_d],
+            None if sums is None else [stack(b) for b in shifted_d],
             stack(s2s),
             ops.concat(ns, 0),
             ddof,
