@@ -225,6 +225,19 @@ def exact_sum(x, axis):
     return jnp.sum(x, axis=axis)
 
 
+def materialize_all(values):
+    """`materialize` of several arrays of one shape in one multi-output reduction, so that
+    a chain they share is computed once per element (a reduction of their stack computes
+    each row's own)."""
+    pairs = tuple(jnp.stack([v, jnp.full_like(v, jnp.inf)]) for v in values)
+    inits = tuple(np.array(np.inf, v.dtype) for v in values)
+    return list(lax.reduce(pairs, inits, _minima, (0,)))
+
+
+def _minima(a, b):
+    return tuple(jnp.minimum(x, y) for x, y in zip(a, b))
+
+
 def materialize(v):
     """v as a buffer of its own: min(v, +inf) over a stacked pair, the same values (signed
     zeros and NaN included).  XLA fuses a cheap per-slice chain into each consumer, i.e.

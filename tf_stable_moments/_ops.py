@@ -321,6 +321,20 @@ def _materialize_xla(v):
     return tf.bitcast(tf.reduce_max(tf.stack([tf.bitcast(v, bits), floor]), 0), v.dtype)
 
 
+def _materialize_all_xla(values):
+    """`_materialize_xla` of several float arrays of one shape in one multi-output
+    reduction (`_variadic_xla`), so that a chain they share is computed once per element
+    (a reduction of their stack computes each row's own)."""
+    kinds = [{2: tf.int16, 4: tf.int32, 8: tf.int64}[v.dtype.size] for v in values]
+    pairs = [
+        tf.stack([tf.bitcast(v, b), tf.fill(tf.shape(v), tf.constant(b.min, b))])
+        for v, b in zip(values, kinds)
+    ]
+    inits = [b.min for b in kinds]
+    out = _variadic_xla(pairs, inits, lambda a, b: [tf.maximum(x, y) for x, y in zip(a, b)], 0)
+    return [tf.bitcast(o, v.dtype) for o, v in zip(out, values)]
+
+
 def _sums_min_plain(a, b, c, axis):
     return tf.reduce_sum(a, axis), tf.reduce_sum(b, axis), tf.reduce_min(c, axis)
 
@@ -396,6 +410,7 @@ XLA = SimpleNamespace(
     pair_sums_min=_pair_sums_min_xla,
     exact_sum=_exact_sum_xla,
     materialize=_materialize_xla,
+    materialize_all=_materialize_all_xla,
     **_COMMON,
 )
 PLAIN = SimpleNamespace(
@@ -405,5 +420,6 @@ PLAIN = SimpleNamespace(
     pair_sums_min=_pair_sums_min_plain,
     exact_sum=tf.reduce_sum,
     materialize=tf.identity,
+    materialize_all=list,
     **_COMMON,
 )
