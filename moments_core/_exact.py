@@ -301,21 +301,6 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     return bits
 
 
-def exact_moments(ops, parts, valid, n, ddof, fmt, weights=None):
-    """Correctly rounded bit patterns of the mean of each part and of the variance.
-
-    parts: float64 [rows, size] (finite, flushed to the format's normal range),
-    valid: bool [rows, size] or None (padded slices), n: the count (int64 [rows]),
-    ddof: an int.  The variance of complex data is (N_re + N_im) / (n (n - ddof)).
-    Rows with n - ddof <= 0 get a meaningless variance (the caller replaces it).
-    weights: None or int64 [rows, size] integer frequencies, n their sums: the
-    weighted mean S1 / n and variance (n S2 - S1**2) / (n (n - ddof)).
-    """
-    l1, l2 = lengths(fmt, aligned=True)
-    s1s, s2 = accumulate(ops, parts, valid, fmt, l1, l2, weights)
-    return finish(ops, s1s, None, s2, n, ddof, fmt)
-
-
 def finish(ops, means, shifted, s2, n, ddof, fmt):
     """Bit patterns of the means S1 / n (per part) and of the variance
     (n S2 - sum S1'**2) / (n (n - ddof)), from digits (not normalised, [rows, <= l2]).

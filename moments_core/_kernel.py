@@ -953,7 +953,8 @@ def _exact_loop(
         l1, l2 = _exact.lengths(fmt, aligned=True)
         s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
         # Blocks of rows to stack: per part the S1 of the means and the S1' that goes
-        # with S2 (the same for the elements), S2 and the counts.
+        # with S2 (for the elements S1' = S1: `finish` gets None and carries S1 once),
+        # S2 and the counts.
         means_d, shifted_d, s2s, ns = [[s] for s in s1s], [[s] for s in s1s], [s2], [n_rows]
         if sums is not None:
             picked = [[ops.take(v, idxs[1], 0) for v in part] for part in sums]

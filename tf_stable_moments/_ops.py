@@ -305,6 +305,9 @@ def _add_twice(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
 
+_INT_OF_SIZE = {2: tf.int16, 4: tf.int32, 8: tf.int64}  # a float's encoding as an integer
+
+
 def _materialize_xla(v):
     """v as a buffer of its own inside an XLA computation: the same bits (signed zeros
     and NaN included), through a reduction over a stacked pair.  XLA fuses a cheap chain of
@@ -314,7 +317,7 @@ def _materialize_xla(v):
     not fused into its consumers.  The reduction is on the encodings (a max of integers):
     TensorFlow's XLA CPU min and max may drop a NaN (min(NaN, inf) gave inf), an integer
     max keeps every bit."""
-    bits = {2: tf.int16, 4: tf.int32, 8: tf.int64}.get(v.dtype.size)
+    bits = _INT_OF_SIZE.get(v.dtype.size)
     if bits is None or not v.dtype.is_floating:
         return tf.reduce_min(tf.stack([v, tf.fill(tf.shape(v), v.dtype.max)]), 0)
     floor = tf.fill(tf.shape(v), tf.constant(bits.min, bits))
@@ -325,7 +328,7 @@ def _materialize_all_xla(values):
     """`_materialize_xla` of several float arrays of one shape in one multi-output
     reduction (`_variadic_xla`), so that a chain they share is computed once per element
     (a reduction of their stack computes each row's own)."""
-    kinds = [{2: tf.int16, 4: tf.int32, 8: tf.int64}[v.dtype.size] for v in values]
+    kinds = [_INT_OF_SIZE[v.dtype.size] for v in values]
     pairs = [
         tf.stack([tf.bitcast(v, b), tf.fill(tf.shape(v), tf.constant(b.min, b))])
         for v, b in zip(values, kinds)
