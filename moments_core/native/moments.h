@@ -499,6 +499,20 @@ void run_chunks(int helpers, int64_t chunks, const Work& work) {
   while (counters->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
+// rows(first, last) over [0, count): one call without helpers, else up to 4 (helpers + 1)
+// contiguous ranges claimed as chunks (run_chunks).  For work where each row is its own.
+template <typename Rows>
+void run_ranges(int helpers, int64_t count, const Rows& rows) {
+  const int64_t chunks = helpers ? std::min<int64_t>(count, 4 * (helpers + 1)) : 1;
+  if (chunks <= 1) {
+    rows(int64_t{0}, count);
+    return;
+  }
+  run_chunks(helpers, chunks, [&](int64_t c, int) {
+    rows(c * count / chunks, (c + 1) * count / chunks);
+  });
+}
+
 // ------------------------------------------------------------------ bounds (section 4)
 struct Approx {
   Pair mean;
@@ -1678,14 +1692,7 @@ void mean_lo(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, int
         total[o] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
       }
     };
-    const int64_t chunks = helpers ? std::min<int64_t>(outer, 4 * (helpers + 1)) : 1;
-    if (chunks <= 1) {
-      rows(0, outer);
-    } else {
-      run_chunks(helpers, chunks, [&](int64_t c, int) {
-        rows(c * outer / chunks, (c + 1) * outer / chunks);
-      });
-    }
+    run_ranges(helpers, outer, rows);
   } else {
     // rows [first, last) of block o added into t (width totals)
     auto block = [&](int64_t o, int64_t first, int64_t last, double* t) {
@@ -1746,16 +1753,8 @@ void residuals(const T* x, int64_t outer, int64_t n, int64_t inner, const T* mea
       }
     }
   };
-  const int64_t total = outer * n;
-  const int helpers = total * inner >= kThreadMin ? std::max(1, threads) - 1 : 0;
-  const int64_t chunks = helpers ? std::min<int64_t>(total, 4 * (helpers + 1)) : 1;
-  if (chunks <= 1) {
-    rows(0, total);
-  } else {
-    run_chunks(helpers, chunks, [&](int64_t c, int) {
-      rows(c * total / chunks, (c + 1) * total / chunks);
-    });
-  }
+  const int helpers = outer * n * inner >= kThreadMin ? std::max(1, threads) - 1 : 0;
+  run_ranges(helpers, outer * n, rows);
 }
 
 // ---- The layers' output formulas (docs section 14): the per-channel factor t ----------
