@@ -15,6 +15,7 @@ the common case pays one check.
 """
 
 import os
+import struct
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -47,7 +48,14 @@ def fast_two_sum(a, b):
 
 
 def split(ops, a):
-    """a == hi + lo, hi rounded to 26 significant bits by integer operations on its bits."""
+    """a == hi + lo, hi rounded to 26 significant bits by integer operations on its bits.
+
+    A Python float (a count's reciprocal) is split on the host, by the same integer
+    operations on its encoding: the same values, and no operations in the graph."""
+    if isinstance(a, float):
+        bits = struct.unpack("<q", struct.pack("<d", a))[0]
+        hi = struct.unpack("<d", struct.pack("<q", (bits + SPLIT_HALF) & SPLIT_MASK))[0]
+        return hi, a - hi
     bits = ops.bitcast(a, "int64")
     hi = ops.bitcast(ops.band(bits + SPLIT_HALF, SPLIT_MASK), "float64")
     return hi, a - hi
@@ -69,9 +77,15 @@ def df_add(ah, al, bh, bl):
 
 
 def df_mul(ops, ah, al, bh, bl):
-    """Pair product; error below 16 u**2 |a b|."""
+    """Pair product; error below 16 u**2 |a b|.  al or bl None: that low part is 0 (its
+    cross term, a two_prod of 0, is 0 and is not computed)."""
     p, e = two_prod(ops, ah, bh)
-    cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
+    if al is None:
+        cross = two_prod(ops, ah, bl)[0]
+    elif bl is None:
+        cross = two_prod(ops, al, bh)[0]
+    else:
+        cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
     return fast_two_sum(p, e + cross)
 
 
@@ -558,10 +572,9 @@ def variance_from_exact_sums(ops, a, c):
     need the smaller bound once n (n - ddof) exceeds about 2**22.
     """
     _, s1, s2 = a.sums
-    zero = ops.zeros_like(s1)
-    t = df_mul(ops, s1, zero, *c.rn)
-    corr = df_mul(ops, *t, s1, zero)
-    num = df_add(s2, zero, -corr[0], -corr[1])
+    t = df_mul(ops, s1, None, *c.rn)
+    corr = df_mul(ops, *t, s1, None)
+    num = df_add(s2, ops.zeros_like(s2), -corr[0], -corr[1])
     v = df_mul(ops, *num, *c.rd)
     var = v[0] + v[1]
     u2 = U * U
@@ -574,6 +587,12 @@ def variance_from_exact_sums(ops, a, c):
 def nearest(ops, a, fmt):
     """For a > 0 (float64, normal): the float of `fmt` nearest to a (ties to even, unbounded
     exponent) and the two midpoints around it, all as float64 (exact: p + 1 <= 53 bits)."""
+    return _nearest(ops, a, fmt)[:3]
+
+
+def _nearest(ops, a, fmt):
+    """`nearest`'s (c, lo, hi), then c = k unit: its integer significand k (float64) and
+    unit = 2**(e - (p - 1)), e = floor(log2 a)."""
     p = fmt.precision
     e = exponent(ops, a)
     unit = pow2(ops, e - (p - 1))
@@ -584,7 +603,7 @@ def nearest(ops, a, fmt):
     ulp = ops.where(top, unit + unit, unit)
     hi = c + 0.5 * ulp
     lo = c - ops.where(power, 0.25 * ulp, 0.5 * ulp)
-    return c, lo, hi
+    return c, lo, hi, k, unit
 
 
 def certify(ops, v, err, fmt, tie=None):
@@ -626,15 +645,19 @@ def certify(ops, v, err, fmt, tie=None):
     else:
         ok = (a >= 0.25 * tiny) & (a < 2.0**1000)
         safe = ops.where(ok, a, ops.ones_like(a))
-        value, lo, hi = nearest(ops, safe, fmt)
+        value, lo, hi, k, unit = _nearest(ops, safe, fmt)
         gap = ops.minimum(hi - safe, safe - lo)  # exact: safe / 2 < lo < safe < hi < 2 safe
         if tie is not None:
             where, grid, scale = tie
-            unit = pow2(ops, exponent(ops, safe) - (fmt.precision - 1))
             sep = ops.minimum(grid, 0.25 * unit) * scale * (1.0 - 2.0**-18)
-            mid = ops.where(hi - safe <= safe - lo, hi, lo)
+            up = hi - safe <= safe - lo  # the nearer midpoint is hi
             on_lattice = ok & where & (err + err < sep)
-            value = ops.where(on_lattice & (gap <= err), nearest(ops, mid, fmt)[0], value)
+            # The tie M rounds half to even: to c where k is even (powers of two and
+            # 2**(e+1) included), else to c's neighbour beyond M, c + unit or c - unit (an
+            # odd k is no power of two: both neighbours are a unit away).
+            odd = ops.ne(ops.floor(k * 0.5) * 2.0, k)
+            even = ops.where(odd, ops.where(up, value + unit, value - unit), value)
+            value = ops.where(on_lattice & (gap <= err), even, value)
         value = ops.where(value >= 2.0**fmt.emax, float("inf"), value)
         value = ops.where(value < tiny, 0.0, value)
     decided = (ok & (err + err < gap)) | zero

@@ -267,12 +267,13 @@ def test_native_state_is_chosen_per_platform_and_never_exported():
 
 
 def test_native_state_splits_long_slices_between_threads_with_the_same_bits():
-    """A slice of 2**20 + 3 float32 inputs, and 3 columns of 2**19 + 5 rows (fewer work
-    items than threads: the rows are cut into chunks, summed apart and added), a NaN and
-    ranges beyond the window included: the native state (TF op, JAX FFI) is the XLA one
-    pass's, bit for bit."""
+    """A slice of 2**20 + 3 float32 inputs, 3 columns of 2**19 + 5 rows and 20 of
+    2**16 + 5 (fewer work items than threads: the rows are cut into chunks, all columns
+    in each, summed apart and added), and 200 columns of 2**13 + 1 rows (items of 64
+    columns), a NaN and ranges beyond the window included: the native state (TF op, JAX
+    FFI) is the XLA one pass's, bit for bit."""
     rng = np.random.default_rng(17)
-    for shape in ((2**20 + 3,), (2**19 + 5, 3)):
+    for shape in ((2**20 + 3,), (2**19 + 5, 3), (2**16 + 5, 20), (2**13 + 1, 200)):
         x = rng.normal(1e3, 1, shape) * rng.choice(
             [1.0, 1e-30, 1e20, 0.0], shape, p=[0.7] + [0.1] * 3
         )

@@ -1481,6 +1481,10 @@ void state(const T* x, int64_t outer, int64_t n, int64_t inner, int parts, const
   } else {
     const int64_t lo = std::max<int64_t>(1, 16 / parts), hi = 64 / parts;
     per = std::min(hi, std::max(lo, (inner + 4 * T_ - 1) / (4 * T_)));
+    // Few long slices: whole cache lines of each row in one item (up to 64 columns), its
+    // rows cut into chunks below (a thread reading 16 of 64 columns streamed its rows at
+    // a quarter of the memory's speed).
+    if (outer < T_) per = std::min(hi, inner);
     groups = (inner + per - 1) / per;
   }
   const int64_t items = width == 1 ? (outer + per - 1) / per : outer * groups;
