@@ -77,15 +77,9 @@ def df_add(ah, al, bh, bl):
 
 
 def df_mul(ops, ah, al, bh, bl):
-    """Pair product; error below 16 u**2 |a b|.  al or bl None: that low part is 0 (its
-    cross term, a two_prod of 0, is 0 and is not computed)."""
+    """Pair product; error below 16 u**2 |a b|."""
     p, e = two_prod(ops, ah, bh)
-    if al is None:
-        cross = two_prod(ops, ah, bl)[0]
-    elif bl is None:
-        cross = two_prod(ops, al, bh)[0]
-    else:
-        cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
+    cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
     return fast_two_sum(p, e + cross)
 
 
@@ -561,25 +555,38 @@ def variance_of(ops, num, num_err, c, pairs):
     return (v, ops.zeros_like(v)), err
 
 
+def pair_times(ops, h, l, y):
+    """(h + l) y as a pair, for a pair (|l| <= u |h|) and a float64 y (an array or a
+    Python float): p + e = h y by `two_prod` (within 8 u**2 |h y|: its error terms
+    rounded twice, al bl once), then e + l y in float64 (l y and the sum rounded once
+    each, or contracted into one rounding: within u (|e| + |l y|) + u**2 |h y| <=
+    6 u**2 |h y|).  In all below 15 u**2 |(h + l) y|; one `two_prod` where `df_mul`
+    of the pair (l, 0) takes two."""
+    p, e = two_prod(ops, h, y)
+    return fast_two_sum(p, e + l * y)
+
+
 def variance_from_exact_sums(ops, a, c):
     """(var, error bound) from the sums of `approximate` where they are exact (a.exact).
 
     With s1 = A and s2 = B exact, N = B - A**2 / n in pair arithmetic: t = A rn
-    (error <= 17 u**2 |t|, rn a pair within u**2 / n of 1/n), C = t A (<= 33 u**2 |C|),
-    N~ = B - C (<= 8 u**2 (B + |C|) more), var = N~ rd as a pair (<= 17 u**2 |var| more)
-    and its float64 sum (<= u |var|): about u |var| in all, where the float64
+    (`pair_times` of the pair rn and A: error <= 15 u**2 |t|, rn within u**2 / n of
+    1/n: <= 17 u**2 |t| in all), C = t A (`pair_times` again: <= 33 u**2 |C|), N~ = B - C
+    (<= 8 u**2 (B + |C|) more), var = N~ rd_h by `pair_times` plus the float64 term
+    N~_h rd_l (<= 20 u**2 |var| more, rd within u**2 / d of 1/d: u**2 |N~| rd) and the
+    pair's float64 sum (<= u |var|): about u |var| in all, where the float64
     evaluation of `approximate` errs by up to 8 u |var|; ties of exact sums (section 5)
     need the smaller bound once n (n - ddof) exceeds about 2**22.
     """
     _, s1, s2 = a.sums
-    t = df_mul(ops, s1, None, *c.rn)
-    corr = df_mul(ops, *t, s1, None)
+    t = pair_times(ops, *c.rn, s1)
+    corr = pair_times(ops, *t, s1)
     num = df_add(s2, ops.zeros_like(s2), -corr[0], -corr[1])
-    v = df_mul(ops, *num, *c.rd)
-    var = v[0] + v[1]
+    v = pair_times(ops, *num, c.rd[0])
+    var = v[0] + (v[1] + num[0] * c.rd[1])
     u2 = U * U
     num_err = (8.0 * u2 * (ops.abs(s2) + ops.abs(corr[0])) + 33.0 * u2 * ops.abs(corr[0])) * MARGIN
-    err = (num_err * c.rd[0] + u2 * ops.abs(num[0]) * c.rd[0] + 17.0 * u2 * ops.abs(v[0])) * MARGIN
+    err = (num_err * c.rd[0] + u2 * ops.abs(num[0]) * c.rd[0] + 20.0 * u2 * ops.abs(var)) * MARGIN
     return var, (err + U * ops.abs(var)) * MARGIN
 
 
