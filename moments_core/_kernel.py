@@ -517,7 +517,7 @@ def approximate_pairs(ops, x, first, axis, c, fmt):
     abs_s1 = ops.abs(s1[0]) + ops.abs(s1[1])
     mean_err = (e1 * c.rn[0] + 16.0 * u2 * ops.abs(t[0]) + 4.0 * u2 * abs_s1 * c.rn[0]) * MARGIN
     mean_err = (mean_err + 8.0 * u2 * (ops.abs(k) + ops.abs(t[0])) + TINY) * MARGIN
-    corr = df_mul(ops, *df_mul(ops, *s1, *c.rn), *s1)
+    corr = df_mul(ops, *t, *s1)
     e_corr = ((2.0 * abs_s1 + e1) * e1 * c.rn[0] + 40.0 * u2 * ops.abs(corr[0])) * MARGIN
     num = df_add(*s2, -corr[0], -corr[1])
     num_err = e2 + e_corr + 8.0 * u2 * (ops.abs(s2[0]) + ops.abs(corr[0])) + TINY
