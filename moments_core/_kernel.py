@@ -1191,7 +1191,7 @@ def _first_selected(ops, mask, axis):
 
 
 # ---------------------------------------------------------------- mean_lo (section 9)
-def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
+def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None, rn=None):
     """mean - mean_hi, to the format, from a deterministic fixed-point sum (for the layers).
 
     d = x - mean (float64) is scaled by a power of two q chosen from the certified
@@ -1203,11 +1203,13 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None):
     SUM over replicas that hold parts of the slices; mean, var and n are then those of
     the union): the sums are integers below 2**53, so the result has the same bits.
     The steps around that collective are `mean_lo_sums` and `mean_lo_round`.
+    rn: None, or the float64 nearest 1/n (`counts`' rn[0]) where the caller has it.
     """
     total, shift, ok = mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n, mask)
     if reduce is not None:
         total = reduce(total)
-    return mean_lo_round(ops, total, shift, ok, ops.shape(x, axis) if n is None else n, fmt)
+    count = ops.shape(x, axis) if n is None else n
+    return mean_lo_round(ops, total, shift, ok, count, fmt, rn)
 
 
 def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
@@ -1215,7 +1217,7 @@ def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     scale 2**shift and where they are defined."""
     size = ops.shape(x, axis)
     count = size if n is None else n
-    c = counts(ops, count, ddof)
+    c = counts(ops, count, ddof, reciprocals=False)  # n and its bit length, no 1/n
     x = flush(ops, x, fmt)
     m = ops.expand_dims(mean, axis)
     d = x - m
@@ -1239,14 +1241,16 @@ def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     return ops.exact_sum(scaled, axis), shift, ok  # exact: |total| < 2**53, in any order
 
 
-def mean_lo_round(ops, total, shift, ok, n, fmt):
-    """mean_lo from the (all-reduced) fixed-point sums: total 2**shift / n, to the format.
+def mean_lo_round(ops, total, shift, ok, n, fmt, rn=None):
+    """mean_lo from the (all-reduced) fixed-point sums: total 2**shift / n, to the format
+    (rn: None, or the float64 nearest 1/n, `counts`' rn[0], which is computed here else).
 
     A buffer of its own (`ops.materialize`): the layers subtract mean_lo from every
     element, and XLA would otherwise fuse this per-slice rounding (some 60 operations)
     into that per-element pass (measured in the JAX synchronized BN step: per-element
     fusions of 109-144 operations)."""
-    lo = total * pow2(ops, shift) * counts(ops, n, 0).rn[0]
+    rn = counts(ops, n, 0).rn[0] if rn is None else rn
+    lo = total * pow2(ops, shift) * rn
     return ops.materialize(ops.where(ok, round_to(ops, lo, fmt), 0.0))
 
 

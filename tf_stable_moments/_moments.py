@@ -168,7 +168,11 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
         means, var, todo, sums = _kernel.fast_moments(
             _ops.XLA, p, axis, ddof, fmt, count, exact_only, None, _kernel.f32_pairs()
         )
-        return (*means, var, todo, tf.reduce_sum(tf.cast(todo, tf.int64)), *sums)
+        # 1/n for mean_lo (`lows`), from the reciprocals the fast path computes anyway:
+        # a count unknown while tracing costs mean_lo eight integer divisions otherwise.
+        size = _ops.XLA.shape(p[0], axis) if count is None else count
+        rn = _kernel.counts(_ops.XLA, size, 0).rn[0]
+        return (*means, var, todo, tf.reduce_sum(tf.cast(todo, tf.int64)), rn, *sums)
 
     def exact(*args):
         p, count, rest = split(args)
@@ -179,13 +183,13 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     def lows(*args):
         p, count, rest = split(args)
         return tuple(
-            _kernel.mean_lo(_ops.XLA, x, axis, m, rest[k], ddof, fmt, count)
+            _kernel.mean_lo(_ops.XLA, x, axis, m, rest[k], ddof, fmt, count, rn=rest[k + 1])
             for x, m in zip(p, rest[:k])
         )
 
     out = _compiled(("fast", exact_only, *key), fast, spec)(*data)
     means, var, todo, undecided = list(out[:k]), out[k], out[k + 1], out[k + 2]
-    sums = list(out[k + 3 :])
+    rn, sums = out[k + 3], list(out[k + 4 :])
     sums_spec = [tf.TensorSpec([None], s.dtype) for s in sums]
 
     def fixed():
@@ -204,8 +208,8 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     means, var = list(fixed_out[:k]), fixed_out[k]
     out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
     if lo:
-        lo_fn = _compiled(("lo", *key), lows, spec + results)
-        out += [tf.cast(m, dtype) for m in lo_fn(*data, *means, var)]
+        lo_fn = _compiled(("lo", *key), lows, spec + results + [tf.TensorSpec([], tf.float64)])
+        out += [tf.cast(m, dtype) for m in lo_fn(*data, *means, var, rn)]
     return tuple(out) + (undecided,)
 
 
