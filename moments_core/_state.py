@@ -349,8 +349,8 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
         q1, q0 = _split(ops, rest, 44)
         # The inputs below the pass (>= 2**emin) counted in y0's lane from bit 41 on: a
         # block's y0 sum is below 2**41, its count below 2**9 (one lane less to reduce).
-        under = ops.cast(a < lane(lower), "float64") - ops.cast(a < tiny, "float64")
-        sums = blocks([y1, y0 + under * 2.0**41, q2, q1, q0], (0.0,) * 5, add)
+        under = ops.where((a < lane(lower)) & (a >= tiny), 2.0**41, 0.0)
+        sums = blocks([y1, y0 + under, q2, q1, q0], (0.0,) * 5, add)
         under, sums[1] = _split(ops, sums[1], 41)
         sums = [_pieces(ops, v, axis) for v in sums]
         offset = unit - fmt.base  # u = 2**offset in units of 2**base
