@@ -1252,8 +1252,8 @@ class ColumnSums {
   // Columns that have seen no input yet start their window at the largest field among
   // their first kRows rows (plus kHead): their vectors then leave `run` for `odd` about
   // as rarely as later ones, not once per new largest input (each such exit spills the
-  // column and reloads the lanes: for [4096, 256] of N(0, 1), a sixth of the call).  E
-  // is only where a window starts: every E gives the same sums.
+  // column and reloads the lanes; JAX moments_state of [4096, 256] N(0, 1): 0.53-0.56 ->
+  // 0.50-0.52 ms).  E is only where a window starts: every E gives the same sums.
   void anchor(const float* block, int64_t rows, int64_t width) {
     const int64_t k1 = std::min(rows, kRows);
     std::vector<int> top(static_cast<size_t>(g_), -1);
