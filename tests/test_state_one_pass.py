@@ -189,11 +189,13 @@ NATIVE_TF = tf_native.op() is not None
 NATIVE_JAX = jax_native.available()
 NATIVE_DTYPES = {**DTYPES, "float64": np.float64, "complex128": np.complex128}
 # (shape of the data before the kinds are laid out, axes): columns (eight-lane vectors and a
-# scalar tail), long rows (read as eight columns) and short ones (bins), non-adjacent
+# scalar tail; "lanes": the kinds three times, through sixteen-lane vectors where the
+# machine has AVX-512), long rows (read as eight columns) and short ones (bins), non-adjacent
 # reduced axes (transposed first), and more rows than the window sums hold between spills
 # (2**15).
 NATIVE_LAYOUTS = {
     "columns": 700,
+    "lanes": 700,  # every kind in a group of 16 columns, in one of 8 and in the scalar tail
     "long_rows": 700,
     "short_rows": 100,
     "3d": 96,
@@ -211,6 +213,8 @@ def _native_data(dtype, layout, seed):
         return x.T.copy(), (1,)
     if layout == "3d":  # [4, kinds, 24] reduced over (0, 2)
         return x.reshape(4, 24, -1).transpose(0, 2, 1).copy(), (0, 2)
+    if layout == "lanes":  # 27 columns: 16 in one vector (AVX-512), 8 in another, 3 scalar
+        return np.tile(x, (1, 3)), (0,)
     return x, (0,)
 
 

@@ -1226,6 +1226,43 @@ inline bool any_lane(v8i mask) {
 #endif
 }
 
+// The vectors of ColumnSums for L columns: int32 lanes (I; W unsigned) and the products'
+// L / 2 int64 lanes (Q; UQ unsigned), with the operations above.  Sixteen columns (one
+// 64-byte cache line of a row) where the machine has AVX-512, else eight.
+template <int L>
+struct Vectors;
+template <>
+struct Vectors<8> {
+  typedef v8i I;
+  typedef v8w W;
+  typedef v4i Q;
+  typedef v4q UQ;
+  static Q mul(Q a, Q b) { return mul_low(a, b); }
+  static I sll(I v, I s) { return shift_left(v, s); }
+  static I srl(I v, I s) { return shift_right(v, s); }
+  static bool any(I m) { return any_lane(m); }
+};
+#ifdef __AVX512F__
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16w __attribute__((vector_size(64)));
+typedef int64_t v8q __attribute__((vector_size(64)));
+typedef uint64_t v8uq __attribute__((vector_size(64)));
+template <>
+struct Vectors<16> {
+  typedef v16i I;
+  typedef v16w W;
+  typedef v8q Q;
+  typedef v8uq UQ;
+  static Q mul(Q a, Q b) { return (Q)_mm512_mul_epu32((__m512i)a, (__m512i)b); }
+  static I sll(I v, I s) { return (I)_mm512_sllv_epi32((__m512i)v, (__m512i)s); }
+  static I srl(I v, I s) { return (I)_mm512_srlv_epi32((__m512i)v, (__m512i)s); }
+  static bool any(I m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
+};
+constexpr int kWideLanes = 16;
+#else
+constexpr int kWideLanes = 8;
+#endif
+
 class ColumnSums {
  public:
   static constexpr int kW = 24, kHead = 2;
@@ -1237,13 +1274,15 @@ class ColumnSums {
 
   // Rows [0, rows) of the block (row k at block + k * width, the columns at offsets [0, g)).
   void add(const float* block, int64_t rows, int64_t width) {
-    const int64_t gv = g_ / 8 * 8;
+    const int64_t gw = g_ / kWideLanes * kWideLanes, gv = g_ / 8 * 8;
     anchor(block, rows, width);
     for (int64_t k0 = 0; k0 < rows; k0 += kRows) {
       const int64_t k1 = std::min(rows, k0 + kRows);
       if (since_ + (k1 - k0) > kFlush) spill_all();
       since_ += k1 - k0;
-      for (int64_t j = 0; j < gv; j += 8) vector_rows(block, k0, k1, width, j);
+      for (int64_t j = 0; j < gw; j += kWideLanes)
+        vector_rows<kWideLanes>(block, k0, k1, width, j);
+      for (int64_t j = gw; j < gv; j += 8) vector_rows<8>(block, k0, k1, width, j);
       for (int64_t k = k0; k < k1; ++k)
         for (int64_t c = gv; c < g_; ++c) odd(c, block[k * width + c]);
     }
@@ -1290,67 +1329,74 @@ class ColumnSums {
  private:
   int64_t* t(int i, int64_t c) { return &t_[static_cast<size_t>(i * g_ + c)]; }
 
-  struct Lanes {  // t1..t4 of eight columns: [i][0] columns 0, 2, 4, 6, [i][1] 1, 3, 5, 7
-    v4i t[4][2];
+  template <int L>
+  struct Lanes {  // t1..t4 of L columns: [i][0] columns 0, 2, 4, ..., [i][1] 1, 3, 5, ...
+    typename Vectors<L>::Q t[4][2];
   };
 
-  // Rows [k, k1) of eight columns (p: their first, row k), k1 - k < 128, while no input is
+  // Rows [k, k1) of L columns (p: their first, row k), k1 - k < 128, while no input is
   // odd (see the class comment): the sums updated, and the first odd row (k1 if none).  In
   // 32-bit lanes: the tests, a = y >> 24 = m >> (24 - s) and b = (m << s) mod 2**24, and
   // sum +-a, sum +-b (below 2**31 for 127 rows; widened into t1 = 2**24 sum +-a + sum +-b
   // at the end); the products a a, a b, b b (< 2**48) in 64-bit lanes, of the even and of
-  // the odd columns (mul_low multiplies the low halves of 64-bit lanes).  No call and no
-  // member access inside, so that everything stays in registers.
+  // the odd columns (`Vectors::mul` multiplies the low halves of 64-bit lanes).  No call
+  // and no member access inside, so that everything stays in registers.
+  template <int L>
   __attribute__((noinline)) static int64_t run(const float* p, int64_t width, int64_t k,
-                                               int64_t k1, v8i E, int flush_below, Lanes& out) {
-    Lanes acc = out;
-    const v8i low = E - kW, flush = v8i{} + flush_below;
-    v8i sa = {}, sb = {};
+                                               int64_t k1, typename Vectors<L>::I E,
+                                               int flush_below, Lanes<L>& out) {
+    using V = Vectors<L>;
+    using I = typename V::I;
+    using Q = typename V::Q;
+    Lanes<L> acc = out;
+    const I low = E - kW, flush = I{} + flush_below;
+    I sa = {}, sb = {};
     for (; k < k1; ++k, p += width) {
-      v8i x;
+      I x;
       std::memcpy(&x, p, sizeof(x));
-      const v8i e = (v8i)(((v8w)x >> 23) & 0xFF);
-      const v8i live = e >= flush;
-      if (any_lane((e > E) | (live & (e < low)))) break;  // NaN/Inf have e = 255 > E
-      const v8i s = live & (e - low);                      // 0 <= s <= W
-      const v8i m = live & ((x & 0x7FFFFF) | 0x800000);    // 0 for inputs that count as 0
-      const v8i a = shift_right(m, kW - s), b = shift_left(m, s) & 0xFFFFFF;
-      const v8i sign = x >> 31;  // -1 or 0
+      const I e = (I)(((typename V::W)x >> 23) & 0xFF);
+      const I live = e >= flush;
+      if (V::any((e > E) | (live & (e < low)))) break;  // NaN/Inf have e = 255 > E
+      const I s = live & (e - low);                      // 0 <= s <= W
+      const I m = live & ((x & 0x7FFFFF) | 0x800000);    // 0 for inputs that count as 0
+      const I a = V::srl(m, kW - s), b = V::sll(m, s) & 0xFFFFFF;
+      const I sign = x >> 31;  // -1 or 0
       sa += (a ^ sign) - sign;
       sb += (b ^ sign) - sign;
-      const v4i ae = (v4i)a, be = (v4i)b;
-      const v4i ao = (v4i)((v4q)a >> 32), bo = (v4i)((v4q)b >> 32);
-      acc.t[1][0] += mul_low(ae, ae);
-      acc.t[2][0] += mul_low(ae, be);
-      acc.t[3][0] += mul_low(be, be);
-      acc.t[1][1] += mul_low(ao, ao);
-      acc.t[2][1] += mul_low(ao, bo);
-      acc.t[3][1] += mul_low(bo, bo);
+      const Q ae = (Q)a, be = (Q)b;
+      const Q ao = (Q)((typename V::UQ)a >> 32), bo = (Q)((typename V::UQ)b >> 32);
+      acc.t[1][0] += V::mul(ae, ae);
+      acc.t[2][0] += V::mul(ae, be);
+      acc.t[3][0] += V::mul(be, be);
+      acc.t[1][1] += V::mul(ao, ao);
+      acc.t[2][1] += V::mul(ao, bo);
+      acc.t[3][1] += V::mul(bo, bo);
     }
-    for (int l = 0; l < 8; ++l)
+    for (int l = 0; l < L; ++l)
       acc.t[0][l & 1][l >> 1] += static_cast<int64_t>(sa[l]) * (int64_t(1) << 24) + sb[l];
     out = acc;
     return k;
   }
 
+  template <int L>
   void vector_rows(const float* block, int64_t k0, int64_t k1, int64_t width, int64_t j) {
-    Lanes a;
-    v8i E;
+    Lanes<L> a;
+    typename Vectors<L>::I E;
     auto get = [&] {
       std::memcpy(&E, &e_[static_cast<size_t>(j)], sizeof(E));
       for (int i = 0; i < 4; ++i)
-        for (int l = 0; l < 8; ++l) a.t[i][l & 1][l >> 1] = *t(i, j + l);
+        for (int l = 0; l < L; ++l) a.t[i][l & 1][l >> 1] = *t(i, j + l);
     };
     auto put = [&] {
       for (int i = 0; i < 4; ++i)
-        for (int l = 0; l < 8; ++l) *t(i, j + l) = a.t[i][l & 1][l >> 1];
+        for (int l = 0; l < L; ++l) *t(i, j + l) = a.t[i][l & 1][l >> 1];
     };
     get();
     for (int64_t k = k0; k < k1; ++k) {
-      k = run(block + k * width + j, width, k, k1, E, flush_below_, a);
+      k = run<L>(block + k * width + j, width, k, k1, E, flush_below_, a);
       if (k == k1) break;
       put();
-      for (int l = 0; l < 8; ++l) odd(j + l, block[k * width + j + l]);
+      for (int l = 0; l < L; ++l) odd(j + l, block[k * width + j + l]);
       get();
     }
     put();
