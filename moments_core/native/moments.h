@@ -1183,8 +1183,9 @@ inline void write_state(const ExactPart* ex, int64_t n, const StateLayout& s, in
 //   t1 = sum +-y,  y = a 2**24 + b (a, b < 2**24):  t2 = sum a**2, t3 = sum a b, t4 = sum b**2,
 // so that sum y**2 = t2 2**48 + t3 2**25 + t4.  Every term is below 2**48: int64 sums of
 // kFlush = 2**15 rows cannot overflow, and every add is exact, in any order.  Sixteen
-// columns (AVX-512; else eight) run in the lanes of one vector; a vector holding an input outside its lane's
-// window (e > E, or a normal input below E - W), NaN or Inf goes through `odd`, scalar:
+// columns (AVX-512; else eight) run in the lanes of one vector; a vector holding an input
+// outside its lane's window (e > E, or a normal input below E - W), NaN or Inf goes
+// through `odd`, scalar:
 // e > E spills the column's sums (into ex at their bit positions) and raises E to e + 2;
 // inputs below the window go to int64 bins per field (`deep`, as `BinSums`); NaN and Inf
 // are counted.  Inputs below 2**emin count as 0.  All sums are spilled every kFlush rows
