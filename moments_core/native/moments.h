@@ -1190,46 +1190,14 @@ inline void write_state(const ExactPart* ex, int64_t n, const StateLayout& s, in
 // inputs below the window go to int64 bins per field (`deep`, as `BinSums`); NaN and Inf
 // are counted.  Inputs below 2**emin count as 0.  All sums are spilled every kFlush rows
 // and at the end.  Stationary data raise E a few times, then run in vectors only.
-typedef uint32_t v4u __attribute__((vector_size(16)));
 typedef uint64_t v4q __attribute__((vector_size(32)));
-typedef int32_t v4j __attribute__((vector_size(16)));
 typedef uint32_t v8w __attribute__((vector_size(32)));
 
-inline v4i mul_low(v4i a, v4i b) {  // the products of the low 32 bits (unsigned) of each lane
-#ifdef __AVX2__
-  return (v4i)_mm256_mul_epu32((__m256i)a, (__m256i)b);
-#else
-  return (a & 0xFFFFFFFF) * (b & 0xFFFFFFFF);
-#endif
-}
-// Per-lane shifts of 32-bit lanes by 0..24 (one instruction on AVX2).
-inline v8i shift_left(v8i v, v8i s) {
-#ifdef __AVX2__
-  return (v8i)_mm256_sllv_epi32((__m256i)v, (__m256i)s);
-#else
-  return (v8i)((v8w)v << (v8w)s);
-#endif
-}
-inline v8i shift_right(v8i v, v8i s) {
-#ifdef __AVX2__
-  return (v8i)_mm256_srlv_epi32((__m256i)v, (__m256i)s);
-#else
-  return (v8i)((v8w)v >> (v8w)s);
-#endif
-}
-inline bool any_lane(v8i mask) {
-#ifdef __AVX__
-  return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
-#else
-  int32_t r = 0;
-  for (int l = 0; l < 8; ++l) r |= mask[l];
-  return r != 0;
-#endif
-}
-
 // The vectors of ColumnSums for L columns: int32 lanes (I; W unsigned) and the products'
-// L / 2 int64 lanes (Q; UQ unsigned), with the operations above.  Sixteen columns (one
-// 64-byte cache line of a row) where the machine has AVX-512, else eight.
+// L / 2 int64 lanes (Q; UQ unsigned).  mul: the products of the low 32 bits (unsigned)
+// of each 64-bit lane; sll, srl: per-lane shifts of 32-bit lanes by 0..24 (one
+// instruction each); any: whether a lane of a mask is set.  Sixteen columns (one 64-byte
+// cache line of a row) where the machine has AVX-512, else eight.
 template <int L>
 struct Vectors;
 template <>
@@ -1238,10 +1206,24 @@ struct Vectors<8> {
   typedef v8w W;
   typedef v4i Q;
   typedef v4q UQ;
-  static Q mul(Q a, Q b) { return mul_low(a, b); }
-  static I sll(I v, I s) { return shift_left(v, s); }
-  static I srl(I v, I s) { return shift_right(v, s); }
-  static bool any(I m) { return any_lane(m); }
+#ifdef __AVX2__
+  static Q mul(Q a, Q b) { return (Q)_mm256_mul_epu32((__m256i)a, (__m256i)b); }
+  static I sll(I v, I s) { return (I)_mm256_sllv_epi32((__m256i)v, (__m256i)s); }
+  static I srl(I v, I s) { return (I)_mm256_srlv_epi32((__m256i)v, (__m256i)s); }
+#else
+  static Q mul(Q a, Q b) { return (a & 0xFFFFFFFF) * (b & 0xFFFFFFFF); }
+  static I sll(I v, I s) { return (I)((W)v << (W)s); }
+  static I srl(I v, I s) { return (I)((W)v >> (W)s); }
+#endif
+  static bool any(I m) {
+#ifdef __AVX__
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
+    int32_t r = 0;
+    for (int l = 0; l < 8; ++l) r |= m[l];
+    return r != 0;
+#endif
+  }
 };
 #ifdef __AVX512F__
 typedef int32_t v16i __attribute__((vector_size(64)));
