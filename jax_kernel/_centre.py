@@ -7,9 +7,10 @@ r = (x - mean) - mean_lo for every element, mean + mean_lo the mean to about twi
 format's precision (docs section 9).  Its JVP is the analytic one of
 r = x - mean(x), var = mean((x - mean(x))**2) over the selected elements:
 
-    d mean = sum(w t) / k,   d r = t - d mean,   d var = 2 sum(w r d r) / k
+    d mean = sum(w t) / k,   d r = t - d mean,   d var = 2 sum(w r d r) / k = 2 sum(w r t) / k
 
-(w the selection, k its count; sums psum-ed over axis_name), itself differentiable.
+(w the selection, k its count; sum(w r) = 0; sums psum-ed over axis_name, the two of
+a step in one collective), itself differentiable.
 """
 
 import functools
@@ -18,10 +19,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_kernel import _functions, _ops, _output, _union
+from jax_kernel import _functions, _output, _union
 from jax_kernel import _moments as _m
-from moments_core import _kernel
-from moments_core._formats import FORMATS
 
 
 def expand(v, axes):
@@ -35,30 +34,6 @@ def _stats(x, mask, axes):
     return _functions._masked_stats(x, mask, axes, 0, True, _m._exact_only())
 
 
-def _global_stats(x, mask, axes, axis_name, groups):
-    """(mean, mean_lo, var) of the union of every device's x on `axis_name` (within its
-    group of `groups`): `union_moments`, then mean_lo from fixed-point sums, one more
-    psum (integers below 2**53: exact in any order).  The bits of one device holding
-    all."""
-    mean, var = _union.union_moments(x, mask, axes, axis_name, groups)
-
-    def all_sum(t):
-        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
-
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
-    with jax.enable_x64(True):
-        laid, axis = _m._layout(x, axes)
-        valid = None if mask is None else _m._layout(mask, axes)[0]
-        if mask is None:  # a static count: the constants of one device's kernel
-            n = math.prod(x.shape[a] for a in axes) * size
-        else:
-            n = all_sum(jnp.sum(valid, axis).astype(jnp.int64))
-        fmt = FORMATS[jnp.dtype(x.dtype).name]
-        m64, v64 = (v.reshape(-1).astype(jnp.float64) for v in (mean, var))
-        lo = _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
-    return mean, lo.astype(x.dtype).reshape(mean.shape), var
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def centre(x, mask, axes, axis_name=None, groups=None):
     """(r, mean, var): r = (x - mean) - mean_lo for every element, mean and var those of
@@ -67,7 +42,7 @@ def centre(x, mask, axes, axis_name=None, groups=None):
     if axis_name is None:
         mean, mean_lo, var = _stats(x, mask, axes)
     else:
-        mean, mean_lo, var = _global_stats(x, mask, axes, axis_name, groups)
+        mean, mean_lo, var = _union.union_stats(x, mask, axes, axis_name, groups)
     return (x - expand(mean, axes)) - expand(mean_lo, axes), mean, var
 
 
@@ -77,8 +52,8 @@ def _centre_jvp(axes, axis_name, groups, primals, tangents):
     t = tangents[0]
     r, mean, var = out = centre(x, mask, axes, axis_name, groups)
 
-    def total(v):
-        v = jnp.sum(v, axes)
+    def totals(*values):  # the sums of each over axes (and devices), stacked
+        v = jnp.stack([jnp.sum(v, axes) for v in values])
         return v if axis_name is None else jax.lax.psum(v, axis_name, axis_index_groups=groups)
 
     w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
@@ -87,11 +62,15 @@ def _centre_jvp(axes, axis_name, groups, primals, tangents):
         devices = devices if groups is None else len(groups[0])
         k = max(math.prod(x.shape[a] for a in axes) * devices, 1)
     else:
-        k = jnp.maximum(total(w * jnp.ones_like(x)), 1)
-    t_mean = total(w * t) / k
-    t_r = t - expand(t_mean, axes)
-    t_var = 2 * total(w * r * t_r) / k
-    return out, (t_r, t_mean, t_var)
+        k = jnp.maximum(totals(w * jnp.ones_like(x))[0], 1)
+    # d var = 2 sum(w r (t - d mean)) / k = 2 sum(w r t) / k: sum(w (x - mean)) is 0.
+    # The two sums are independent: one collective (and one in the transposed, backward
+    # pass) of both.
+    wt = w * t
+    sums = totals(wt, wt * r)
+    t_mean = sums[0] / k
+    t_var = 2 * sums[1] / k
+    return out, (t - expand(t_mean, axes), t_mean, t_var)
 
 
 _ALGORITHMS = ("fast", "stable")

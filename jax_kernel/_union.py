@@ -4,7 +4,8 @@ with `axis_name` (one device: jax_kernel/_moments.py).
 
 One all-reduce of each device's fast sums and their error bounds decides the slices of
 the union; exact moments states (one psum of int32 digits) only for the slices it leaves
-open, in a branch every device takes together.
+open, in a branch every device takes together.  `union_stats` adds the layers' mean_lo,
+its sums sent with the count of open slices.
 """
 
 import functools
@@ -28,6 +29,53 @@ __all__ = ["moments"]
 _sync_exact_states = False
 
 
+def _all_sum(axis_name, groups):
+    def all_sum(t):
+        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
+
+    return all_sum
+
+
+def _mergeable(x):
+    """Whether the certified merge serves x's dtype: float32, float16 and bfloat16 (complex
+    and float64 have no merged bound of two parts or pairs yet: the exact states)."""
+    if jnp.iscomplexobj(x) or _sync_exact_states:
+        return False
+    return FORMATS[jnp.dtype(x.dtype).name].wide
+
+
+def _merge(x, mask, axes, axis_name, groups, ddof):
+    """The certified merge (under enable_x64): (laid, axis, valid, m64, v64, todo, n), x
+    and mask laid out, the union's float64 mean and variance (the format's values where
+    decided), the slices left open and the union's count (`_kernel.merge_fast`)."""
+    fmt = FORMATS[jnp.dtype(x.dtype).name]
+    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    laid, axis = _m._layout(x, axes)
+    valid = None if mask is None else _m._layout(mask, axes)[0]
+    count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
+    shift = _leader_sum(axis_name, groups)
+    all_sum = _all_sum(axis_name, groups)
+    m64, v64, todo, n = _kernel.merge_fast(
+        _ops, laid, axis, fmt, shift, all_sum, size, count, valid, ddof
+    )
+    return laid, axis, valid, m64, v64, todo, n
+
+
+def _exact_states(x, mask, axes, axis_name, groups, ddof):
+    """(mean, var) of the union from every device's exact state, one psum of its digits."""
+    state = _all_sum(axis_name, groups)(_state_api.moments_state(x, axes, where=mask))
+    return _state_api.state_moments(state, ddof)
+
+
+def _replace_open(todo, x, mask, axes, axis_name, groups, ddof, m64, v64):
+    """m64, v64 with the open slices' values from the exact states (float64, flat)."""
+    em, ev = (
+        t.reshape(-1).astype(jnp.float64)
+        for t in _exact_states(x, mask, axes, axis_name, groups, ddof)
+    )
+    return jnp.where(todo, em, m64), jnp.where(todo, ev, v64)
+
+
 def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
     """(mean, var) of the union of every device's x on `axis_name` (within its group of
     `groups`; of the elements `mask` selects), the bits of one device holding all.
@@ -39,35 +87,68 @@ def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
     (a condition every device computes from a max over all devices: all take the same
     branch) the exact states of the slices, one psum of their int32 digits.  float64:
     the exact states always."""
-
-    def all_sum(t):
-        return jax.lax.psum(t, axis_name, axis_index_groups=groups)
-
-    def exact_states():
-        state = all_sum(_state_api.moments_state(x, axes, where=mask))
-        return _state_api.state_moments(state, ddof)
-
-    if jnp.iscomplexobj(x) or not FORMATS[jnp.dtype(x.dtype).name].wide or _sync_exact_states:
-        return exact_states()  # complex, float64: no merged bound of two parts or pairs yet
-    fmt = FORMATS[jnp.dtype(x.dtype).name]
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    if not _mergeable(x):
+        return _exact_states(x, mask, axes, axis_name, groups, ddof)
     kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
     with jax.enable_x64(True):
-        laid, axis = _m._layout(x, axes)
-        valid = None if mask is None else _m._layout(mask, axes)[0]
-        count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
-        shift = _leader_sum(axis_name, groups)
-        m64, v64, todo, _ = _kernel.merge_fast(
-            _ops, laid, axis, fmt, shift, all_sum, size, count, valid, ddof
-        )
+        _, _, _, m64, v64, todo, _ = _merge(x, mask, axes, axis_name, groups, ddof)
         opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
-
-        def exact(m, v):
-            em, ev = (t.reshape(-1).astype(jnp.float64) for t in exact_states())
-            return jnp.where(todo, em, m), jnp.where(todo, ev, v)
-
+        exact = functools.partial(_replace_open, todo, x, mask, axes, axis_name, groups, ddof)
         m64, v64 = jax.lax.cond(opened > 0, exact, lambda m, v: (m, v), m64, v64)
         return tuple(t.astype(x.dtype).reshape(kept_shape) for t in (m64, v64))
+
+
+def union_stats(x, mask, axes, axis_name, groups=None, n=None):
+    """(mean, mean_lo, var) of the union (ddof 0; section 9's mean_lo, from fixed-point
+    sums: integers below 2**53, exact in any order), the bits of one device holding
+    all: the layers' statistics.
+
+    The certified merge as in `union_moments`; then mean_lo's fixed-point sums of the
+    decided statistics and the count of open slices go in one psum (integers: every
+    device gets the same count, so all take the same branch).  Only if some slice is
+    open: the exact states, and mean_lo's sums again (a second psum in that branch).
+    So a step on decided data has three collectives: the shift, the fast sums, and
+    this one.  n: None, or the union's count as a Python int where a selection only
+    pads (the Keras layer's batch padded to a multiple of the devices), so that mean_lo
+    folds the constants of one device's kernel."""
+    kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
+    fmt = FORMATS[jnp.dtype(x.dtype).name]
+    all_sum = _all_sum(axis_name, groups)
+    with jax.enable_x64(True):
+
+        def lows(m64, v64, n, laid, axis, valid):
+            return _kernel.mean_lo(_ops, laid, axis, m64, v64, 0, fmt, n, valid, reduce=all_sum)
+
+        def result(m64, v64, lo):
+            return tuple(t.astype(x.dtype).reshape(kept_shape) for t in (m64, lo, v64))
+
+        if not _mergeable(x):
+            mean, var = _exact_states(x, mask, axes, axis_name, groups, 0)
+            laid, axis = _m._layout(x, axes)
+            valid = None if mask is None else _m._layout(mask, axes)[0]
+            if n is None and mask is not None:
+                n = all_sum(jnp.sum(valid, axis).astype(jnp.int64))
+            if n is None:  # a static count: the constants of one device's kernel
+                size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+                n = math.prod(x.shape[a] for a in axes) * size
+            m64, v64 = (t.reshape(-1).astype(jnp.float64) for t in (mean, var))
+            return result(m64, v64, lows(m64, v64, n, laid, axis, valid))
+        laid, axis, valid, m64, v64, todo, count = _merge(x, mask, axes, axis_name, groups, 0)
+        n = count if n is None else n
+        # The values the caller gets (a float16 mean beyond its range is inf: no mean_lo).
+        m64, v64 = (t.astype(x.dtype).astype(jnp.float64) for t in (m64, v64))
+        total, shift, ok = _kernel.mean_lo_sums(_ops, laid, axis, m64, v64, 0, fmt, n, valid)
+        opened = jnp.sum(todo.astype(jnp.float64), keepdims=True)
+        reduced = all_sum(jnp.concatenate([total, opened]))
+
+        def decided(m64, v64):
+            return m64, v64, _kernel.mean_lo_round(_ops, reduced[:-1], shift, ok, n, fmt)
+
+        def exact(m64, v64):
+            m64, v64 = _replace_open(todo, x, mask, axes, axis_name, groups, 0, m64, v64)
+            return m64, v64, lows(m64, v64, n, laid, axis, valid)
+
+        return result(*jax.lax.cond(reduced[-1] > 0, exact, decided, m64, v64))
 
 
 def _leader_sum(axis_name, groups):

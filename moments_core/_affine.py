@@ -40,41 +40,31 @@ from moments_core._exact import bit_length
 # Clearing the low 28 of the 52 stored significand bits of a float64 leaves 25
 # significant bits; the rest of a 50-bit number then has at most 25 bits too.
 _HIGH_25 = -(1 << 28)
-# A float32 keeps 24 of a float64's 53 significand bits: 29 bits of the encoding go.
-_DROPPED = 29
-_HALF = (1 << (_DROPPED - 1)) - 1  # half an ulp of the kept bits, less one unit
-_KEEP = -(1 << _DROPPED)
 _INF_BITS = 0x7F800000  # float32 +inf's encoding: above it (as a magnitude), the NaNs
 
 
 def round32(ops, a):
     """float64 a rounded to the nearest float32, ties to even, as a float32: the
-    rounding done on the encoding (integer operations), so that the final
-    conversion is exact.
+    conversion (IEEE round to nearest, everywhere), then `canonical_nan`, a select on
+    the result's encoding.
 
-    Why not just convert: XLA may remove a conversion float64 -> float32 -> float64
-    ("excess precision", on by default: measured on the CPU, where a float64 sum of
-    values rounded to float32 was summed unrounded under jax.jit), so a rounded value
-    that a later computation widens again (this layer's, or the next layer's
-    statistics kernel) could silently keep its float64 bits.  A conversion of a value
-    that is already a float32 changes nothing, whether it is removed or not.
-
-    Adding half an ulp of the kept bits less one, plus the lowest kept bit, then
-    clearing the dropped bits rounds the magnitude to nearest, ties to even (a carry
-    into the exponent is the next binade, or infinity past the float32 range: the
-    conversion then gives inf, as it would have).  Infinities have no dropped bits, and
-    neither have the NaNs that reach it: a float32 widened has 29 zero low bits, and
-    float64 arithmetic returns the default NaN or a NaN operand's payload; with no
-    dropped bits nothing carries, and the value stays a NaN, returned as the one quiet
-    NaN of `canonical_nan` (every formula's float32 results come from here).  Results below the
-    float32 normal range (2**-126) are rounded to 24 bits here and again by the
-    conversion, and flushed to zero where the device flushes subnormals (TensorFlow
-    and JAX on the CPU): the one case where the bits follow the device.
+    Why the select matters beyond NaNs: XLA may remove a conversion float64 ->
+    float32 -> float64 ("excess precision", on by default: measured on the CPU, where
+    a float64 sum of squares of values converted to float32 summed them unrounded
+    under jax.jit), so a rounded value that a later computation widens again (this
+    layer's, or the next layer's statistics kernel) could silently keep its float64
+    bits.  Between the two conversions stands the select, whose result is a float32
+    that no simplification folds into the float64 it came from (tested:
+    tests/test_affine.py, a widened sum of squares under jit against the same sum of
+    the rounded values).  Before, the rounding was done on the encoding (integer
+    operations, then an exact conversion): the same bits, at some 8x the cost of the
+    layers' per-element pass where it runs from cache (a [256, 128] output: 32 us
+    against 4 us under jax.jit on this 2-core CPU).  Results below the float32
+    normal range (2**-126) are subnormal or flushed to zero where the device flushes
+    subnormals (TensorFlow and JAX on the CPU): the one case where the bits follow
+    the device.
     """
-    bits = ops.bitcast(a, "int64")
-    lowest_kept = ops.band(ops.shr(bits, _DROPPED), 1)
-    rounded = ops.band(bits + (lowest_kept + _HALF), _KEEP)
-    return canonical_nan(ops, ops.cast(ops.bitcast(rounded, "float64"), "float32"))
+    return canonical_nan(ops, ops.cast(a, "float32"))
 
 
 def _float32_neighbours(ops, t):

@@ -1225,7 +1225,7 @@ def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
         d = ops.where(mask, d, ops.zeros_like(d))
     elif n is not None and not (isinstance(n, int) and isinstance(size, int) and n >= size):
         # Slices padded beyond n (a static n of at least their length, the count of the
-        # union in `_global_stats`, pads nothing: no mask to build and apply).
+        # union in `jax_kernel._union.union_stats`, pads nothing: no mask to build and apply).
         valid = ops.iota(size, "int64") < ops.cast(n, "int64")
         valid = ops.expand_dims(valid, 1 if axis == 0 else 0)
         d = ops.where(valid, d, ops.zeros_like(d))

@@ -6,10 +6,12 @@ global batch x [32, 6] (N(1e4, 1), float32), with momentum 0 (the running statis
 are then the batch statistics): the outputs and statistics of one device holding x,
 of pmap over 4 devices (axis_name="i"), of shard_map, of pmap with
 axis_index_groups [[0, 1], [2, 3]] and of one device holding each half; the gradients
-of one device and of pmap; and a masked pmap beside one device with the same mask.
+of one device and of pmap, with the collectives of that pmap's program; and a masked pmap
+beside one device with the same mask.
 """
 
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = (
@@ -29,6 +31,19 @@ from jax_kernel.flax.linen import BatchNorm  # noqa: E402
 def run(module, variables, x, mask=None):
     y, updated = module.apply(variables, x, mask=mask, mutable=["batch_stats"])
     return y, updated["batch_stats"]["mean"], updated["batch_stats"]["var"]
+
+
+def _all_reduces(compiled_text):
+    """The element counts of a compiled program's collectives, sorted (-1: one that is
+    not an all-reduce), those in the branches of a conditional included."""
+    sizes = []
+    for line in compiled_text.splitlines():
+        found = re.search(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute)\(", line)
+        if found:
+            dims = re.findall(r"\[([0-9,]*)\]", found.group(1))
+            count = sum(int(np.prod([int(d) for d in s.split(",") if d])) for s in dims)
+            sizes.append(count if found.group(2) == "all-reduce" else -1)
+    return np.array(sorted(sizes), np.int64)
 
 
 def main(dst):
@@ -88,7 +103,9 @@ def main(dst):
         # so this is the gradient of the sum of the losses.
         return jax.grad(lambda v: loss(synced, v))(xs)
 
-    out["pmap_grad"] = np.asarray(jax.pmap(device_grad, axis_name="i")(shards)).reshape(32, 6)
+    grad_step = jax.pmap(device_grad, axis_name="i")
+    out["pmap_grad"] = np.asarray(grad_step(shards)).reshape(32, 6)
+    out["grad_collectives"] = _all_reduces(grad_step.lower(shards).compile().as_text())
     np.savez(dst, **{k: np.asarray(v) for k, v in out.items()})
 
 

@@ -4,7 +4,7 @@ Usage: python tests/_merge_check.py OUTPUT.npz   (XLA_FLAGS must be set before j
 imported, so tests/test_merge.py runs this in its own process.)  For each case of
 `cases()` (a global batch x [rows, kept], float32/float16/bfloat16, an optional
 selection, a number of devices R), written: the statistics of the union from
-`jax_kernel._centre._global_stats` under shard_map (device d holds rows d::R... as the
+`jax_kernel._union.union_stats` under shard_map (device d holds rows d::R... as the
 contiguous block d of rows), the slices the merged fast path left open
 (`moments_core._kernel.merge_fast`), as every device computed them, and the mean_lo of
 one device holding everything.
@@ -78,7 +78,7 @@ def run(x, mask, devices):
 
     def local(xs, ms):
         m = None if mask is None else ms
-        mean, lo, var = _centre._global_stats(xs, m, (0,), "i", None)
+        mean, lo, var = _union.union_stats(xs, m, (0,), "i", None)
         with jax.enable_x64(True):
             laid, axis = _m._layout(xs, (0,))
             count = None if m is None else jnp.sum(m, 0).astype(jnp.int64)

@@ -196,6 +196,14 @@ def test_axis_name_gives_the_global_batchs_bits(tmp_path):
         masked = out[f"masked_pmap_{stat}"]
         np.testing.assert_array_equal(bits(masked), bits(out[f"masked_single_{stat}"]))
     np.testing.assert_allclose(out["pmap_grad"], out["single_grad"], rtol=0, atol=1e-5)
+    # The collectives of that training step (docs section 13b), on 6 channels: forward the
+    # shared shift [C], the fast sums and exponent terms [3 C], mean_lo's sums with the
+    # count of open slices [C + 1], and in the branch that runs only when a slice is open
+    # the exact states [L C] and mean_lo's sums again [C]; backward one [2, C] psum of the
+    # tangent rule's two sums.
+    c, size = 6, jax_kernel._state.state_size(jnp.float32)
+    want = sorted([c, 3 * c, c + 1, size * c, c, 2 * c])
+    np.testing.assert_array_equal(out["grad_collectives"], want)
 
 
 # ------------------------------------------------------------------ flax.nnx

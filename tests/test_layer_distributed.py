@@ -58,22 +58,25 @@ def test_jax_data_parallel_matches_one_device(tmp_path):
             np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=key)
         # O(channels) communication: all-reduces only (no gather of the batch).  Per call of
         # the statistics (docs section 13b): the shared shift K [C], the float64 sums and
-        # smallest-magnitude exponent terms [3 C], the scalar max of the open slices
-        # and, in the branch
-        # that runs only when a slice is left open, the int32 state [L C]; plain: then the
-        # float64 mean_lo sums [C]; masked: two calls, the selected counts [C] int32 (XLA
-        # combines them with another [C] reduction: 2 C); the backward pass's [3, C] sums.
+        # smallest-magnitude exponent terms [3 C], and in the branch that runs only when a
+        # slice is left open the int32 state [L C].  Without mean_lo (masked: two calls)
+        # then the scalar max of the open slices; with it (plain) the float64 mean_lo sums
+        # and the count of open slices [C + 1], and in that branch the sums again [C].
+        # masked: the selected counts [C] int32 (XLA combines them with another [C]
+        # reduction: 2 C); the backward pass's [3, C] sums.
         c = channels
         merge = [(0, size * c), (0, c), (0, 3 * c), (0, 1)]
+        with_lo = [(0, size * c), (0, c), (0, 3 * c), (0, c + 1), (0, c)]
         # Uneven: each device's count of real rows rides in the SUM (4 C), a pmin of the
         # device indices finds the shift's device (C); the 61-row input and output cannot
         # be sharded evenly, so XLA gathers the padded batch (64 C) in and out.
         uneven = [(0, size * c), (0, c), (0, c), (0, 4 * c), (0, 1)]
+        uneven_lo = [(0, size * c), (0, c), (0, c), (0, 4 * c), (0, c + 1), (0, c)]
         batch = [(1, 64 * c)] * 2
         expected = {
-            "plain": merge + [(0, c), (0, 3 * c)],
+            "plain": with_lo + [(0, 3 * c)],
             "masked": merge * 2 + [(0, 2 * c), (0, 3 * c)],
-            "uneven": uneven + [(0, c), (0, 3 * c)] + batch,
+            "uneven": uneven_lo + [(0, 3 * c)] + batch,
             "uneven_masked": uneven * 2 + [(0, 2 * c), (0, 3 * c)] + batch,
         }[case]
         if case == "uneven_masked":  # XLA combines the selected counts with one [C] sum

@@ -226,24 +226,21 @@ def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None, rows=None, ba
     """`tf_stable_moments._union.global_stats` on the JAX backend, inside `jax.shard_map`
     over `axis_name`: the certified merge of every device's fast sums
     (`jax_kernel._union.union_moments`, pure XLA: no FFI call; exact states for the slices
-    it leaves open), `extra` (a per-slice count) psum-ed, and with lo one psum of the
-    float64 fixed-point sums of mean_lo.  rows: None, or which of this device's rows are
-    the batch's (a batch padded to a multiple of the devices: the padding is left out of
-    every sum, as a selection), batch the global batch's length."""
+    it leaves open), `extra` (a per-slice count) psum-ed, and with lo mean_lo's float64
+    fixed-point sums (`union_stats`: in the psum that tells whether a slice is open).
+    rows: None, or which of this device's rows are the batch's (a batch padded to a
+    multiple of the devices: the padding is left out of every sum, as a selection), batch
+    the global batch's length."""
     import jax
     import numpy as np
 
-    from jax_kernel import _moments, _ops
     from jax_kernel import _union as jax_union
-    from moments_core import _kernel
-    from moments_core._formats import FORMATS
 
     valid = None
     if rows is not None:
         shape = [1] * v.ndim
         shape[0] = v.shape[0]
         valid = jax.numpy.broadcast_to(rows.reshape(shape), v.shape)
-    mean, var = jax_union.union_moments(v, valid, axes, axis_name)  # docs section 13b
     summed = None if extra is None else jax.lax.psum(extra.astype(np.int32), axis_name)
     # The global count is static (even shards, or the batch's length where padded; `where`
     # selects by zeros, not by counting): a Python int, as `_counts` and `mean_lo` use on
@@ -252,22 +249,11 @@ def _jax_global_stats(axis_name, devices, v, axes, lo, extra=None, rows=None, ba
     n = math.prod(v.shape[a] for a in axes) * devices
     if rows is not None:
         n = math.prod(v.shape[a] for a in axes if a != 0) * batch
-    mean_lo = None
-    with jax.enable_x64(True):
-        if lo:
-            laid, axis = _moments._layout(v, axes)
-            mask = None if valid is None else _moments._layout(valid, axes)[0]
-            fmt = FORMATS[np.dtype(v.dtype).name]
-            m64 = mean.reshape(-1).astype(np.float64)
-            v64 = var.reshape(-1).astype(np.float64)
-
-            def all_sum(t):
-                return jax.lax.psum(t, axis_name)
-
-            mean_lo = _kernel.mean_lo(
-                _ops, laid, axis, m64, v64, 0, fmt, n, mask=mask, reduce=all_sum
-            )
-            mean_lo = mean_lo.astype(v.dtype).reshape(mean.shape)
+    if lo:  # docs section 13b; mean_lo's sums in the collective that opens the exact round
+        mean, mean_lo, var = jax_union.union_stats(v, valid, axes, axis_name, n=n)
+    else:
+        mean, var = jax_union.union_moments(v, valid, axes, axis_name)
+        mean_lo = None
     return mean, mean_lo, var, n, summed
 
 
