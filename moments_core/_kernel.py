@@ -71,13 +71,30 @@ def two_prod(ops, a, b):
 
 
 def df_add(ah, al, bh, bl):
-    """Pair sum; error below 8 u**2 (|a| + |b|)."""
+    """Pair sum; error below 8 u**2 (|a| + |b|) for pairs with |al| <= u |ah|, |bl| <= u |bh|.
+
+    (s, e) = TwoSum(ah, bh) is exact; al + bl is rounded once (<= u**2 (|ah| + |bh|)), its
+    sum with e once (<= u (|e| + |al + bl|) <= 2 u**2 (|ah| + |bh|)); FastTwoSum of s and
+    that sum w is exact where |s| >= |w|, and where it is not (s cancelled to below
+    u (|ah| + |bh|)) its two roundings of values below 4 u (|ah| + |bh|) lose at most
+    4 u**2 (|ah| + |bh|): 7 u**2 in all, to first order."""
     s, e = two_sum(ah, bh)
     return fast_two_sum(s, e + (al + bl))
 
 
 def df_mul(ops, ah, al, bh, bl):
-    """Pair product; error below 16 u**2 |a b|."""
+    """Pair product; error below 26 u**2 |a b| for pairs with |al| <= u |ah|, |bl| <= u |bh|.
+
+    (p, e) = `two_prod`(ah, bh) is within 8 u**2 |ah bh| (`pair_times`), with |e| <= 4 u
+    |ah bh| (p is ah bh after two roundings and without the product of the low halves,
+    below 2u |ah bh|).  Each cross product ah bl, al bh is the high part of a `two_prod`,
+    within 4 u of it: 4 u**2 |ah bh| each; their sum is rounded once (<= 2 u**2 |ah bh|)
+    and al bl (<= u**2 |ah bh|) is dropped: 11 u**2.  e + cross is rounded once (<= u (4 u
+    + 2 u) |ah bh| = 6 u**2), and FastTwoSum of p and it is exact (|e + cross| is far below
+    |p|): 25 u**2 |ah bh| in all, to first order, below 26 u**2 |a b|.  With al = 0 (or
+    bl = 0) one cross product remains, exact to add: 8 + 4 + 5 = 17 u**2.  (The bound was
+    written 16 u**2 before 2026-12-06 without this count; sampled errors stayed below
+    8 u**2.)"""
     p, e = two_prod(ops, ah, bh)
     cross = two_prod(ops, ah, bl)[0] + two_prod(ops, al, bh)[0]
     return fast_two_sum(p, e + cross)
@@ -515,10 +532,14 @@ def approximate_pairs(ops, x, first, axis, c, fmt):
     t = df_mul(ops, *s1, *c.rn)
     mean = df_add(k, ops.zeros_like(k), *t)
     abs_s1 = ops.abs(s1[0]) + ops.abs(s1[1])
-    mean_err = (e1 * c.rn[0] + 16.0 * u2 * ops.abs(t[0]) + 4.0 * u2 * abs_s1 * c.rn[0]) * MARGIN
+    # t = s1 rn within 26 u**2 |t| (`df_mul`), rn within u**2 / n of 1/n (4 u**2 |s1| / n
+    # covers it); the sum with K by `df_add`.
+    mean_err = (e1 * c.rn[0] + 26.0 * u2 * ops.abs(t[0]) + 4.0 * u2 * abs_s1 * c.rn[0]) * MARGIN
     mean_err = (mean_err + 8.0 * u2 * (ops.abs(k) + ops.abs(t[0])) + TINY) * MARGIN
     corr = df_mul(ops, *t, *s1)
-    e_corr = ((2.0 * abs_s1 + e1) * e1 * c.rn[0] + 40.0 * u2 * ops.abs(corr[0])) * MARGIN
+    # corr = t s1 within 26 u**2 |corr| (`df_mul`); t within 27 u**2 |t| of s1 / n (above):
+    # 27 u**2 |corr| more; s1 within e1 of the exact sum: (2 |s1| + e1) e1 / n.
+    e_corr = ((2.0 * abs_s1 + e1) * e1 * c.rn[0] + 56.0 * u2 * ops.abs(corr[0])) * MARGIN
     num = df_add(*s2, -corr[0], -corr[1])
     num_err = e2 + e_corr + 8.0 * u2 * (ops.abs(s2[0]) + ops.abs(corr[0])) + TINY
     # All differences exactly zero: the mean is K and the variance 0, whatever the bounds.
@@ -547,8 +568,8 @@ def combine_nums(ops, a, b, pairs):
 def variance_of(ops, num, num_err, c, pairs):
     """(var pair, error bound) = num / (n - ddof)."""
     if pairs:
-        v = df_mul(ops, *num, *c.rd)
-        err = (num_err * c.rd[0] * MARGIN + 16.0 * U * U * ops.abs(v[0])) * MARGIN
+        v = df_mul(ops, *num, *c.rd)  # 26 u**2 |v|; rd within u**2 / d of 1 / d: u**2 |v|
+        err = (num_err * c.rd[0] * MARGIN + 27.0 * U * U * ops.abs(v[0])) * MARGIN
         return v, ops.where(num_err == 0, 0.0, err + TINY)  # 0 only for constant slices
     v = num[0] * c.rd[0]
     err = (num_err * c.rd[0] * MARGIN + 3.0 * U * ops.abs(v)) * MARGIN

@@ -176,3 +176,56 @@ def test_the_exact_paths_integer_steps_match_python_integers(backend, dtype):
         if exact == 0:  # +0: the sign is set only on a nonzero result
             want = np.asarray(0, width)
         assert got == want, (i, exact)
+
+
+def _pairs(rng, size):
+    """Normalised float64 pairs (h, l), |l| <= u |h|: TwoSum of random values, and values
+    whose 26-bit split leaves the largest low halves (the products `two_prod` rounds)."""
+    a = rng.normal(size=size) * 2.0 ** rng.integers(-30, 30, size)
+    b = rng.normal(size=size) * 2.0 ** rng.integers(-60, -50, size) * a
+    h = a + b
+    low = b - (h - a)  # exact where |a| >= |b|
+    worst = (1.0 + 2.0**-27 * (1.0 - 2.0**-20)) * 2.0 ** rng.integers(-20, 20, size)
+    quarter = size // 4
+    h[:quarter] = worst[:quarter]
+    low[:quarter] = worst[:quarter] * rng.uniform(-1, 1, quarter) * 2.0**-53
+    return h, low
+
+
+@pytest.mark.parametrize("mode", ("jax_eager", "jax_jit"))
+def test_pair_arithmetic_within_its_documented_bounds(mode):
+    """`df_mul` within 26 u**2 |a b| and `df_add` within 8 u**2 (|a| + |b|) (their
+    docstrings count the roundings), against exact rational arithmetic; the sums with
+    cancellation (b near -a) included.  Under jit XLA may contract products into fused
+    multiply-adds: fewer roundings, the same bounds."""
+    from moments_core import _kernel
+
+    rng = np.random.default_rng(2612)
+    u2 = Fraction(1, 2**106)
+    ah, al = _pairs(rng, 400)
+    bh, bl = _pairs(rng, 400)
+    ch, cl = -ah * (1.0 + 2.0**-40), -al  # cancellation in the sum
+    with jax.enable_x64(True):
+
+        def both(ah, al, bh, bl, ch, cl):
+            return (
+                _kernel.df_mul(jax_ops, ah, al, bh, bl),
+                _kernel.df_add(ah, al, bh, bl),
+                _kernel.df_add(ah, al, ch, cl),
+            )
+
+        fn = jax.jit(both) if mode == "jax_jit" else both
+        out = [tuple(np.asarray(v) for v in pair) for pair in fn(ah, al, bh, bl, ch, cl)]
+    products, sums, cancelled = out
+    worst_mul = worst_add = Fraction(0)
+    for i in range(ah.size):
+        a = Fraction(float(ah[i])) + Fraction(float(al[i]))
+        b = Fraction(float(bh[i])) + Fraction(float(bl[i]))
+        c = Fraction(float(ch[i])) + Fraction(float(cl[i]))
+        got = Fraction(float(products[0][i])) + Fraction(float(products[1][i]))
+        worst_mul = max(worst_mul, abs(got - a * b) / (u2 * abs(a * b)))
+        for (sh, sl), other in ((sums, b), (cancelled, c)):
+            got = Fraction(float(sh[i])) + Fraction(float(sl[i]))
+            worst_add = max(worst_add, abs(got - (a + other)) / (u2 * (abs(a) + abs(other))))
+    assert worst_mul <= 26, float(worst_mul)
+    assert worst_add <= 8, float(worst_add)

@@ -100,6 +100,8 @@ inline Pair df_add(Pair a, Pair b) {
   fast_two_sum(s, e + (a.l + b.l), r.h, r.l);
   return r;
 }
+// Pair product within 26 u**2 |a b| (17 u**2 when a.l or b.l is 0): moments_core/_kernel.py
+// `df_mul` counts the roundings.
 inline Pair df_mul(Pair a, Pair b) {
   double p, e, c1, c2, t;
   two_prod(a.h, b.h, p, e);
@@ -570,10 +572,10 @@ inline Approx approximate_pairs(double k, const Sums& sm, double n, Pair rn) {
   Pair mean = df_add({k, 0.0}, t);
   double abs_s1 = std::fabs(s1.h) + std::fabs(s1.l);
   double mean_err =
-      (e1 * rn.h + 16.0 * u2 * std::fabs(t.h) + 4.0 * u2 * abs_s1 * rn.h) * kMargin;
+      (e1 * rn.h + 26.0 * u2 * std::fabs(t.h) + 4.0 * u2 * abs_s1 * rn.h) * kMargin;
   mean_err = (mean_err + 8.0 * u2 * (std::fabs(k) + std::fabs(t.h)) + kTiny) * kMargin;
   Pair corr = df_mul(df_mul(s1, rn), s1);
-  double e_corr = ((2.0 * abs_s1 + e1) * e1 * rn.h + 40.0 * u2 * std::fabs(corr.h)) * kMargin;
+  double e_corr = ((2.0 * abs_s1 + e1) * e1 * rn.h + 56.0 * u2 * std::fabs(corr.h)) * kMargin;
   Pair num = df_add(s2, {-corr.h, -corr.l});
   double num_err = e2 + e_corr + 8.0 * u2 * (std::fabs(s2.h) + std::fabs(corr.h)) + kTiny;
   bool constant = s1.h == 0.0 && s1.l == 0.0 && s2.h == 0.0 && s2.l == 0.0 &&
@@ -599,7 +601,7 @@ inline void combine_nums(const Approx& a, const Approx& b, bool pairs, Pair& num
 inline void variance_of(Pair num, double num_err, Pair rd, bool pairs, Pair& v, double& err) {
   if (pairs) {
     v = df_mul(num, rd);
-    err = (num_err * rd.h * kMargin + 16.0 * kU * kU * std::fabs(v.h)) * kMargin;
+    err = (num_err * rd.h * kMargin + 27.0 * kU * kU * std::fabs(v.h)) * kMargin;
     err = num_err == 0.0 ? 0.0 : err + kTiny;
   } else {
     v = {num.h * rd.h, 0.0};
@@ -677,11 +679,13 @@ inline bool lattice_moments(double k, double s1, double s2, double smallest, dou
   double err;
   if (a.exact) {  // variance_from_exact_sums
     const double u2 = kU * kU;
+    // t = s1 rn within 17 u**2 |t| (a df_mul with a zero low part) and rn within u**2 / n:
+    // 18 u**2; corr = t s1 within 17 u**2 |corr| more: 35; w = num rd within 26 u**2 |w|.
     Pair corr = df_mul(df_mul({s1, 0.0}, rn), {s1, 0.0});
     Pair num = df_add({s2, 0.0}, {-corr.h, -corr.l});
     Pair w = df_mul(num, rd);
-    double num_err = (8.0 * u2 * (std::fabs(s2) + std::fabs(corr.h)) + 33.0 * u2 * std::fabs(corr.h)) * kMargin;
-    err = (num_err * rd.h + u2 * std::fabs(num.h) * rd.h + 17.0 * u2 * std::fabs(w.h)) * kMargin;
+    double num_err = (8.0 * u2 * (std::fabs(s2) + std::fabs(corr.h)) + 36.0 * u2 * std::fabs(corr.h)) * kMargin;
+    err = (num_err * rd.h + u2 * std::fabs(num.h) * rd.h + 26.0 * u2 * std::fabs(w.h)) * kMargin;
     v = {w.h + w.l, 0.0};
     err = (err + kU * std::fabs(v.h)) * kMargin;
   } else {
