@@ -108,9 +108,11 @@ def union_stats(x, mask, axes, axis_name, groups=None, n=None):
     device gets the same count, so all take the same branch).  Only if some slice is
     open: the exact states, and mean_lo's sums again (a second psum in that branch).
     So a step on decided data has three collectives: the shift, the fast sums, and
-    this one.  n: None, or the union's count as a Python int where a selection only
-    pads (the Keras layer's batch padded to a multiple of the devices), so that mean_lo
-    folds the constants of one device's kernel."""
+    this one (with axis_index_groups a scalar pmax over all devices more, so that every
+    group takes the same branch, as `union_moments` does).  n: None, or the union's
+    count as a Python int where a selection only pads (the Keras layer's batch padded to
+    a multiple of the devices), so that mean_lo folds the constants of one device's
+    kernel."""
     kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
     fmt = FORMATS[jnp.dtype(x.dtype).name]
     all_sum = _all_sum(axis_name, groups)
@@ -148,7 +150,10 @@ def union_stats(x, mask, axes, axis_name, groups=None, n=None):
             m64, v64 = _replace_open(todo, x, mask, axes, axis_name, groups, 0, m64, v64)
             return m64, v64, lows(m64, v64, n, laid, axis, valid)
 
-        return result(*jax.lax.cond(reduced[-1] > 0, exact, decided, m64, v64))
+        opened = reduced[-1]
+        if groups is not None:  # all groups take one branch, as in `union_moments`
+            opened = jax.lax.pmax(opened, axis_name)
+        return result(*jax.lax.cond(opened > 0, exact, decided, m64, v64))
 
 
 def _leader_sum(axis_name, groups):
