@@ -58,8 +58,7 @@ def _centre_jvp(axes, axis_name, groups, primals, tangents):
 
     w = 1.0 if mask is None else jnp.broadcast_to(mask, x.shape).astype(x.dtype)
     if mask is None:  # a static count: no collective
-        devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-        devices = devices if groups is None else len(groups[0])
+        devices = 1 if axis_name is None else _union.group_size(axis_name, groups)
         k = max(math.prod(x.shape[a] for a in axes) * devices, 1)
     else:
         k = jnp.maximum(totals(w * jnp.ones_like(x))[0], 1)

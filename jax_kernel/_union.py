@@ -29,6 +29,11 @@ __all__ = ["moments"]
 _sync_exact_states = False
 
 
+def group_size(axis_name, groups):
+    """How many devices form one union: the axis's size, or a group's."""
+    return jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+
+
 def _all_sum(axis_name, groups):
     def all_sum(t):
         return jax.lax.psum(t, axis_name, axis_index_groups=groups)
@@ -49,7 +54,7 @@ def _merge(x, mask, axes, axis_name, groups, ddof):
     and mask laid out, the union's float64 mean and variance (the format's values where
     decided), the slices left open and the union's count (`_kernel.merge_fast`)."""
     fmt = FORMATS[jnp.dtype(x.dtype).name]
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    size = group_size(axis_name, groups)
     laid, axis = _m._layout(x, axes)
     valid = None if mask is None else _m._layout(mask, axes)[0]
     count = None if mask is None else jnp.sum(valid, axis).astype(jnp.int64)
@@ -89,7 +94,7 @@ def union_moments(x, mask, axes, axis_name, groups=None, ddof=0):
     the exact states always."""
     if not _mergeable(x):
         return _exact_states(x, mask, axes, axis_name, groups, ddof)
-    kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
+    kept_shape = out_shape(x.shape, axes, False)
     with jax.enable_x64(True):
         _, _, _, m64, v64, todo, _ = _merge(x, mask, axes, axis_name, groups, ddof)
         opened = jax.lax.pmax(jnp.sum(todo.astype(jnp.int32)), axis_name)
@@ -113,7 +118,7 @@ def union_stats(x, mask, axes, axis_name, groups=None, n=None):
     count as a Python int where a selection only pads (the Keras layer's batch padded to
     a multiple of the devices), so that mean_lo folds the constants of one device's
     kernel."""
-    kept_shape = tuple(d for a, d in enumerate(x.shape) if a not in axes)
+    kept_shape = out_shape(x.shape, axes, False)
     fmt = FORMATS[jnp.dtype(x.dtype).name]
     all_sum = _all_sum(axis_name, groups)
     with jax.enable_x64(True):
@@ -131,7 +136,7 @@ def union_stats(x, mask, axes, axis_name, groups=None, n=None):
             if n is None and mask is not None:
                 n = all_sum(jnp.sum(valid, axis).astype(jnp.int64))
             if n is None:  # a static count: the constants of one device's kernel
-                size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+                size = group_size(axis_name, groups)
                 n = math.prod(x.shape[a] for a in axes) * size
             m64, v64 = (t.reshape(-1).astype(jnp.float64) for t in (mean, var))
             return result(m64, v64, lows(m64, v64, n, laid, axis, valid))
@@ -194,7 +199,7 @@ def _union_real_jvp(axes, ddof, axis_name, groups, primals, tangents):
     def total(v):
         return jax.lax.psum(jnp.sum(v, axes), axis_name, axis_index_groups=groups)
 
-    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
+    size = group_size(axis_name, groups)
     n = math.prod(x.shape[a] for a in axes) * size
     t_mean = total(t) / n
     r = x - jnp.expand_dims(mean, axes)
