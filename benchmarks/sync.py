@@ -16,11 +16,13 @@ and three layers with synchronized=True:
 
 one training step (forward and input/weight gradients of sum(y * w)) on a global
 batch of replicas x rows float32 rows of `channels` channels, N(loc, scale) (--loc,
---scale: N(1e6, 1) by default), is timed (median of `steps` after a warm-up step), with:
+--scale: N(1e6, 1) by default), is timed after a warm-up step, the four layers
+alternating step by step: the median of `steps`, and the quartiles of each step's ratio
+to the keras step beside it, with:
 
   * peak memory: the peak of TensorFlow's CPU allocator (the BFC allocator, shared by
-    the logical devices, so all replicas together) during the timed steps above its
-    level before them, in MiB;
+    the logical devices, so all replicas together) during three steps of that layer
+    alone, above its level before them, in MiB;
   * bytes communicated per replica and step, from the tensor sizes of the
     collectives in the step's graph (replica 0): an all-reduce counts its input
     once, an all-gather its gathered output (what a replica receives);
@@ -38,9 +40,10 @@ sum(y * w), the three layers alternating step by step: the median of `steps`, th
 quartiles of each step's ratio to the Flax step beside it, and the largest error of y
 against the exact normalisation.
 
-Each (replicas, layer) runs in its own process: TensorFlow fixes the logical devices
-at start-up, and a second MirroredStrategy in one process would restart the collective
-instance keys.  This is a benchmark, not a test: the figures depend on the machine.
+Each replica count runs in its own process (its four layers under one MirroredStrategy):
+TensorFlow fixes the logical devices at start-up, and a second MirroredStrategy in one
+process would restart the collective instance keys.  This is a benchmark, not a test:
+the figures depend on the machine.
 """
 
 import argparse
@@ -94,7 +97,11 @@ def _exact_output(x, eps=1e-3):
     return (x.astype(np.float64) - mean) / np.sqrt(var + eps)
 
 
-def run_one(replicas, layer_kind, rows, channels, steps, dist=(1e6, 1.0)):
+def run_tf(replicas, rows, channels, steps, dist=(1e6, 1.0)):
+    """Rows of the TensorFlow table for one replica count, every layer of LAYERS in this
+    process under one MirroredStrategy: the layers alternate step by step (so that the
+    machine's load of the moment falls on all alike); each step's ratio is taken to the
+    keras step beside it."""
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
@@ -104,23 +111,13 @@ def run_one(replicas, layer_kind, rows, channels, steps, dist=(1e6, 1.0)):
     sys.path.insert(0, str(ROOT))
     import keras
 
-    from tf_stable_moments import StableBatchNormalization
+    from tf_stable_moments import StableBatchNormalization, _union
 
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
-    with strategy.scope():
-        if layer_kind == "keras":
-            layer = keras.layers.BatchNormalization(synchronized=True, epsilon=1e-3)
-        else:
-            from tf_stable_moments import _union
-
-            layer = StableBatchNormalization(synchronized=True, epsilon=1e-3)
-            layer._sync_all_gather = layer_kind == "gather"
-            _union._sync_exact_states = layer_kind == "state"
-        layer.build((None, channels))
-
     rng = np.random.default_rng(0)
     x = rng.normal(dist[0], dist[1], (replicas * rows, channels)).astype(np.float32)
     w = rng.normal(size=x.shape).astype(np.float32)
+    exact = _exact_output(x)
 
     def part(array):
         return strategy.experimental_distribute_values_from_function(
@@ -128,38 +125,62 @@ def run_one(replicas, layer_kind, rows, channels, steps, dist=(1e6, 1.0)):
         )
 
     args = (part(x), part(w))
+    steps_of, rows_of = {}, {}
+    for kind in LAYERS:
+        with strategy.scope():
+            if kind == "keras":
+                layer = keras.layers.BatchNormalization(synchronized=True, epsilon=1e-3)
+            else:
+                layer = StableBatchNormalization(synchronized=True, epsilon=1e-3)
+                layer._sync_all_gather = kind == "gather"
+            layer.build((None, channels))
 
-    def replica_step(xs, ws):
-        with tf.GradientTape() as tape:
-            tape.watch(xs)
-            y = layer(xs, training=True)
-            loss = tf.reduce_sum(y * ws)
-        return y, tape.gradient(loss, [xs, *layer.trainable_variables])
+        def replica_step(xs, ws, layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(xs)
+                y = layer(xs, training=True)
+                loss = tf.reduce_sum(y * ws)
+            return y, tape.gradient(loss, [xs, *layer.trainable_variables])
 
-    step = tf.function(lambda *a: strategy.run(replica_step, a))
-    y, _ = step(*args)  # warm-up: tracing and the first step
-    graph = step.get_concrete_function(*args).graph
-    y = np.concatenate([v.numpy() for v in strategy.experimental_local_results(y)])
-    error = float(np.abs(y - _exact_output(x)).max())
-
-    times = []
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        step = tf.function(lambda *a, fn=replica_step: strategy.run(fn, a))
+        _union._sync_exact_states = kind == "state"  # read while tracing
+        y, _ = step(*args)  # warm-up: tracing and the first step
+        _union._sync_exact_states = False
+        graph = step.get_concrete_function(*args).graph
+        y = np.concatenate([v.numpy() for v in strategy.experimental_local_results(y)])
+        # The peak of the allocator over a few steps of this layer alone.
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        for _ in range(3):
+            _run(strategy, step, args)
+        peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20
+        steps_of[kind] = step
+        rows_of[kind] = {
+            "replicas": replicas,
+            "layer": kind,
+            "peak_mib": peak,
+            "bytes": _collective_bytes(graph, replicas, rows, channels, kind),
+            "error": float(np.abs(y - exact).max()),
+        }
+    times = {kind: [] for kind in LAYERS}
     for _ in range(steps):
-        start = time.perf_counter()
-        out = step(*args)
-        tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(out))
-        times.append(time.perf_counter() - start)
-        del out
-    peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - base) / 2**20
-    return {
-        "replicas": replicas,
-        "layer": layer_kind,
-        "step_ms": 1e3 * float(np.median(times)),
-        "peak_mib": peak,
-        "bytes": _collective_bytes(graph, replicas, rows, channels, layer_kind),
-        "error": error,
-    }
+        for kind in LAYERS:
+            start = time.perf_counter()
+            _run(strategy, steps_of[kind], args)
+            times[kind].append(time.perf_counter() - start)
+    for kind in LAYERS:
+        paired = np.array(times[kind]) / np.array(times["keras"])
+        rows_of[kind]["step_ms"] = 1e3 * float(np.median(times[kind]))
+        rows_of[kind]["paired"] = [float(q) for q in np.percentile(paired, [25, 50, 75])]
+    return list(rows_of.values())
+
+
+def _run(strategy, step, args):
+    """One step, its results fetched."""
+    import tensorflow as tf
+
+    out = step(*args)
+    tf.nest.map_structure(lambda t: t.numpy(), strategy.experimental_local_results(out))
 
 
 def run_jax(rows, channels, steps, dist):
@@ -241,7 +262,7 @@ def main():
     parser.add_argument("--rows", type=int, default=256, help="rows per replica")
     parser.add_argument("--channels", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--one", nargs=2, metavar=("REPLICAS", "LAYER"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", type=int, metavar="REPLICAS", help=argparse.SUPPRESS)
     parser.add_argument("--jax", action="store_true", help="the JAX table (Flax layers)")
     parser.add_argument("--loc", type=float, default=1e6, help="the data's offset")
     parser.add_argument("--scale", type=float, default=1.0, help="the data's spread")
@@ -283,33 +304,38 @@ def main():
         return
     if args.one:
         dist = (args.loc, args.scale)
-        result = run_one(int(args.one[0]), args.one[1], args.rows, args.channels, args.steps, dist)
+        result = run_tf(args.one, args.rows, args.channels, args.steps, dist)
         print("RESULT " + json.dumps(result))
         return
     # The BFC allocator on the CPU keeps the allocation statistics read for the peak.
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
     results = []
     for replicas in REPLICAS:
-        for kind in LAYERS:
-            cmd = [sys.executable, __file__, "--one", str(replicas), kind]
-            cmd += ["--rows", str(args.rows), "--channels", str(args.channels)]
-            cmd += ["--steps", str(args.steps), "--loc", str(args.loc), "--scale", str(args.scale)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                raise RuntimeError(f"{cmd} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-            print(results[-1], flush=True)
+        cmd = [sys.executable, __file__, "--one", str(replicas)]
+        cmd += ["--rows", str(args.rows), "--channels", str(args.channels)]
+        cmd += ["--steps", str(args.steps), "--loc", str(args.loc), "--scale", str(args.scale)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        lines = [s for s in proc.stdout.splitlines() if s.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"{cmd} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        for row in json.loads(lines[-1][len("RESULT ") :]):
+            results.append(row)
+            print(row, flush=True)
     print(
         f"\nper replica: {args.rows} rows x {args.channels} channels, "
         f"N({args.loc:g}, {args.scale:g}) float32; "
-        f"step = forward + gradients, median of {args.steps}\n"
+        f"step = forward + gradients, median of {args.steps}, the layers alternating\n"
     )
-    print("| replicas | layer | step ms | peak MiB | bytes / replica / step | max abs error of y |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| replicas | layer | step ms | / keras, paired steps: median (quartiles) | peak MiB "
+        "| bytes / replica / step | max abs error of y |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
+        q1, median, q3 = r["paired"]
         print(
-            f"| {r['replicas']} | {r['layer']} | {r['step_ms']:.1f} | {r['peak_mib']:.1f} "
+            f"| {r['replicas']} | {r['layer']} | {r['step_ms']:.1f} "
+            f"| {median:.2f} ({q1:.2f}-{q3:.2f}) | {r['peak_mib']:.1f} "
             f"| {r['bytes']:,} | {r['error']:.2g} |"
         )
 

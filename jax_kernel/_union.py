@@ -144,12 +144,12 @@ def union_stats(x, mask, axes, axis_name, groups=None, n=None):
         n = count if n is None else n
         # The values the caller gets (a float16 mean beyond its range is inf: no mean_lo).
         m64, v64 = (t.astype(x.dtype).astype(jnp.float64) for t in (m64, v64))
-        total, shift, ok = _kernel.mean_lo_sums(_ops, laid, axis, m64, v64, 0, fmt, n, valid)
+        total, unscale, ok = _kernel.mean_lo_sums(_ops, laid, axis, m64, v64, 0, fmt, n, valid)
         opened = jnp.sum(todo.astype(jnp.float64), keepdims=True)
         reduced = all_sum(jnp.concatenate([total, opened]))
 
         def decided(m64, v64):
-            return m64, v64, _kernel.mean_lo_round(_ops, reduced[:-1], shift, ok, n, fmt)
+            return m64, v64, _kernel.mean_lo_round(_ops, reduced[:-1], unscale, ok, n, fmt)
 
         def exact(m64, v64):
             m64, v64 = _replace_open(todo, x, mask, axes, axis_name, groups, 0, m64, v64)

@@ -1226,16 +1226,16 @@ def mean_lo(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None, reduce=None, 
     The steps around that collective are `mean_lo_sums` and `mean_lo_round`.
     rn: None, or the float64 nearest 1/n (`counts`' rn[0]) where the caller has it.
     """
-    total, shift, ok = mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n, mask)
+    total, unscale, ok = mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n, mask)
     if reduce is not None:
         total = reduce(total)
     count = ops.shape(x, axis) if n is None else n
-    return mean_lo_round(ops, total, shift, ok, count, fmt, rn)
+    return mean_lo_round(ops, total, unscale, ok, count, fmt, rn)
 
 
 def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
-    """(total, shift, ok): the fixed-point sums of `mean_lo` (exact, below 2**53), their
-    scale 2**shift and where they are defined."""
+    """(total, unscale, ok): the fixed-point sums of `mean_lo` (exact, below 2**53), their
+    scale 2**shift and where they are defined (1.0, else 0.0), all float64."""
     size = ops.shape(x, axis)
     count = size if n is None else n
     c = counts(ops, count, ddof, reciprocals=False)  # n and its bit length, no 1/n
@@ -1261,21 +1261,28 @@ def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     half = ops.shr(exponent(ops, r2) + 2, 1)  # 2**half >= sqrt(r2)
     nb = _nbits(ops, c)
     shift = ops.minimum(ops.maximum(half + nb - 52, -1000), 1000)
-    scaled = ops.round(d * ops.expand_dims(pow2(ops, -shift), axis))
-    return ops.exact_sum(scaled, axis), shift, ok  # exact: |total| < 2**53, in any order
+    # The per-slice chain into one buffer (`_one_buffer`), what the rounding needs as
+    # floats: XLA cut it into a kernel per value that its consumers read (seven in the JAX
+    # synchronized BN step, where the rounding runs in a branch of a conditional).
+    scale, unscale, ok = ops.materialize_all(
+        [pow2(ops, -shift), pow2(ops, shift), ops.cast(ok, "float64")]
+    )
+    scaled = ops.round(d * ops.expand_dims(scale, axis))
+    return ops.exact_sum(scaled, axis), unscale, ok  # exact: |total| < 2**53, in any order
 
 
-def mean_lo_round(ops, total, shift, ok, n, fmt, rn=None):
-    """mean_lo from the (all-reduced) fixed-point sums: total 2**shift / n, to the format
-    (rn: None, or the float64 nearest 1/n, `counts`' rn[0], which is computed here else).
+def mean_lo_round(ops, total, unscale, ok, n, fmt, rn=None):
+    """mean_lo from the (all-reduced) fixed-point sums and `mean_lo_sums`' unscale = 2**shift
+    and ok: total 2**shift / n, to the format (rn: None, or the float64 nearest 1/n,
+    `counts`' rn[0], which is computed here else).
 
     A buffer of its own (`ops.materialize`): the layers subtract mean_lo from every
     element, and XLA would otherwise fuse this per-slice rounding (some 60 operations)
     into that per-element pass (measured in the JAX synchronized BN step: per-element
     fusions of 109-144 operations)."""
     rn = counts(ops, n, 0).rn[0] if rn is None else rn
-    lo = total * pow2(ops, shift) * rn
-    return ops.materialize(ops.where(ok, round_to(ops, lo, fmt), 0.0))
+    lo = total * unscale * rn
+    return ops.materialize(ops.where(ok > 0.0, round_to(ops, lo, fmt), 0.0))
 
 
 def _nbits(ops, c):

@@ -96,13 +96,13 @@ def global_stats(all_sum, v, axes, lo, extra=None, replica=None, ddof=0):
         def sums(ops, x, m, w, count):
             return _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
 
-        def rounded(ops, total, shift, ok, count):
-            return _kernel.mean_lo_round(ops, total, shift, ok, count, fmt)
+        def rounded(ops, total, unscale, ok, count):
+            return _kernel.mean_lo_round(ops, total, unscale, ok, count, fmt)
 
         spec = [_matrix(v.dtype), _vector(tf.float64), _vector(tf.float64), _scalar(tf.int64)]
-        total, shift, ok = _phase(("lo_sums", *key), sums, (laid, m64, v64, n), spec)
-        spec = [_vector(tf.float64), _vector(tf.int64), _vector(tf.bool), _scalar(tf.int64)]
-        mean_lo = _phase(("lo_round", *key), rounded, (all_sum(total), shift, ok, n), spec)
+        total, unscale, ok = _phase(("lo_sums", *key), sums, (laid, m64, v64, n), spec)
+        spec = [_vector(tf.float64)] * 3 + [_scalar(tf.int64)]
+        mean_lo = _phase(("lo_round", *key), rounded, (all_sum(total), unscale, ok, n), spec)
         mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
     return mean, mean_lo, var, n, summed_extra
 
