@@ -130,6 +130,10 @@ def mean_lo_cases():
             ((5, 7, 9), (0, 2)),
             ((12, 40), (1,)),
             ((3, 999), (1,)),
+            # lengths of whole blocks of 16 x 16 and of 16 terms, whose sums JAX's XLA
+            # kernel takes block by block (jax_kernel/_ops.py `exact_sum`), both layouts
+            ((512, 24), (0,)),
+            ((6, 96), (1,)),
         ):
             z = rng.standard_normal(shape)
             mixed = z * 10.0 ** rng.integers(-6, 6, shape)
