@@ -61,7 +61,7 @@ def _centre_jvp(axes, axis_name, groups, primals, tangents):
         devices = 1 if axis_name is None else _union.group_size(axis_name, groups)
         k = max(math.prod(x.shape[a] for a in axes) * devices, 1)
     else:
-        k = jnp.maximum(totals(w * jnp.ones_like(x))[0], 1)
+        k = jnp.maximum(totals(w)[0], 1)  # w: the selection, x's shape (as TF's `_counts`)
     # d var = 2 sum(w r (t - d mean)) / k = 2 sum(w r t) / k: sum(w (x - mean)) is 0.
     # The two sums are independent: one collective (and one in the transposed, backward
     # pass) of both.
