@@ -10,7 +10,10 @@ every BatchNormalization swapped; JAX: the pre-LN Encoder with 8 LayerNormalizat
 with keras's layers and after ``tf_stable_moments.stabilize``: ``model.export`` (the
 SavedModel TF Serving loads; jax2tf on the JAX backend), the artifact's size on disk,
 then in a fresh process in which importing this package fails: the time of
-``tf.saved_model.load``, of the first ``serve`` call and the median of five more.
+``tf.saved_model.load``, of the first ``serve`` call, the median of five more and the
+first call of another batch size (1); then,
+in one more such process holding both artifacts, the median ratio ours / keras of 20
+steady calls made alternately.
 """
 
 import argparse
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"tensorflow": "ResNet50", "jax": "Encoder"}
 
 # The serving process: this package cannot be imported there.
-_SERVE = """
+_GUARD = """
 import builtins, json, sys, time
 real = builtins.__import__
 def guard(name, *args, **kwargs):
@@ -35,6 +38,10 @@ def guard(name, *args, **kwargs):
     return real(name, *args, **kwargs)
 builtins.__import__ = guard
 import numpy as np, tensorflow as tf
+"""
+_SERVE = (
+    _GUARD
+    + """
 path, data = sys.argv[1], sys.argv[2]
 start = time.perf_counter(); model = tf.saved_model.load(path); load = time.perf_counter() - start
 x = np.load(data)
@@ -42,8 +49,40 @@ start = time.perf_counter(); model.serve(x); first = time.perf_counter() - start
 times = []
 for _ in range(5):
     start = time.perf_counter(); model.serve(x); times.append(time.perf_counter() - start)
-print("RESULT", json.dumps([load, first, sorted(times)[2]]))
+start = time.perf_counter(); model.serve(x[:1]); other = time.perf_counter() - start
+print("RESULT", json.dumps([load, first, sorted(times)[2], other]))
 """
+)
+
+
+# Steady calls of both artifacts in one process, alternating (the VM's speed moves
+# between processes): the median of the per-pair ratios ours / keras.
+_PAIRED = (
+    _GUARD
+    + """
+keras_model, ours = (tf.saved_model.load(p) for p in sys.argv[1:3])
+x = np.load(sys.argv[3])
+ratios = []
+for i in range(23):
+    t = []
+    for model in (keras_model, ours) if i % 2 else (ours, keras_model):
+        start = time.perf_counter(); model.serve(x); t.append(time.perf_counter() - start)
+    if i >= 3:
+        ratios.append(t[1] / t[0] if i % 2 else t[0] / t[1])
+print("RESULT", json.dumps(sorted(ratios)[len(ratios) // 2]))
+"""
+)
+
+
+def _run(script, *args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, env=env
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not line:
+        raise RuntimeError(f"serving failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[0][7:])
 
 
 def measure(backend, batch, directory):
@@ -66,17 +105,10 @@ def measure(backend, batch, directory):
         model.export(str(path), verbose=False)
         export = time.perf_counter() - start
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-        proc = subprocess.run(
-            [sys.executable, "-c", _SERVE, str(path), str(data)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            raise RuntimeError(f"serving {label} failed:\n{proc.stderr[-3000:]}")
-        out[label] = [export, size, *json.loads(line[0][7:])]
+        out[label] = [export, size, *_run(_SERVE, path, data)]
+    out["paired"] = _run(
+        _PAIRED, *(Path(directory) / f"{backend}_{x}" for x in ("keras", "ours")), data
+    )
     return out
 
 
@@ -96,13 +128,17 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as directory:
         out = measure(backend, args.batch, directory)
     print(f"\n{backend}, {MODELS[backend]}, batch {args.batch}: keras / ours (ratio)")
-    print("| export (s) | size (bytes) | load (s) | first call (s) | steady call (ms) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| export (s) | size (bytes) | load (s) | first call (s) | steady call (ms) "
+        "| first call of batch 1 (s) | steady, paired in one process |"
+    )
+    print("|---|---|---|---|---|---|---|")
     keras, ours = out["keras"], out["ours"]
     cells = []
-    for i, scale in enumerate((1, 1, 1, 1, 1000)):
+    for i, scale in enumerate((1, 1, 1, 1, 1000, 1)):
         a, b = keras[i] * scale, ours[i] * scale
         cells.append(f"{a:.4g} / {b:.4g} ({b / a:.2f})")
+    cells.append(f"{out['paired']:.2f}")
     print("| " + " | ".join(cells) + " |")
 
 

@@ -38,6 +38,7 @@ zeros_like = jnp.zeros_like
 transpose = jnp.transpose
 expand_dims = jnp.expand_dims
 squeeze = jnp.squeeze
+honours_nan = False  # XLA (moments_core/_affine.py canonical_nan)
 
 
 def ones_like(x, dtype=None):

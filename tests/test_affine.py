@@ -144,6 +144,23 @@ def test_round32_rounds_to_nearest_even(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_every_nan_result_is_the_quiet_nan(mode):
+    """NaN inputs of either sign and any payload, and NaNs that the operations make
+    (inf * 0, inf - inf, 1/sqrt of a negative), leave every formula as 0x7FC00000: the
+    sign and payload of a NaN follow the machine's operand order otherwise."""
+    payloads = np.array([0x7FF8000000000001, 0xFFF8000000000000, 0x7FF0000000000001], np.uint64)
+    a = np.concatenate([payloads.view(np.float64), [np.inf, -np.inf]])
+    want = np.full(3, 0x7FC00000, np.uint32)
+    got = _run(mode, lambda ops, x: _affine.round32(ops, x), a[:3])
+    np.testing.assert_array_equal(got.view(np.uint32), want)
+    r, f, b = _f32([np.inf, -np.inf, 1.0]), _f32([0.0, 1.0, -2.0]), _f32([1.0, np.inf, 0.0])
+    got = _run(mode, _affine.affine32, r, f, b)  # inf * 0; -inf + inf; 1 * -2 + 0
+    np.testing.assert_array_equal(got.view(np.uint32)[:2], want[:2])
+    got = _run(mode, _affine.rsqrt32, _f32([-1.0, -np.inf, 4.0]))
+    np.testing.assert_array_equal(got.view(np.uint32)[:2], want[:2])
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_rounded_results_stay_rounded_when_widened(mode):
     """A consumer that widens a formula's float32 result again in the same compiled
     computation (the next layer's statistics) sees the rounded values: XLA removes a

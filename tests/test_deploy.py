@@ -120,6 +120,20 @@ def _stable_ops(path):
     return found
 
 
+def _xla_functions(path):
+    """Names of a SavedModel's functions that XLA compiles when called (per shape)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((Path(path) / "saved_model.pb").read_bytes())
+    return {
+        fn.signature.name
+        for meta in proto.meta_graphs
+        for fn in meta.graph_def.library.function
+        if "_XlaMustCompile" in fn.attr and fn.attr["_XlaMustCompile"].b
+    }
+
+
 def test_tf_saved_model_save_is_portable_and_serves_without_the_package(tmp_path):
     import tensorflow as tf
 
@@ -164,6 +178,14 @@ def test_keras_model_export_is_portable_and_serves_without_the_package(tmp_path)
     # Certified statistics and output formulas with every rounding fixed (docs section
     # 14): the loaded graph serves the live model's bits.
     np.testing.assert_array_equal(_bits(out), _bits(live))
+    # The output formulas are a plain function, not an XLA computation that the served
+    # artifact would compile per shape: BatchNormalization at inference has none.
+    bn_only = keras.Model(inputs, model.layers[2](model.layers[1](inputs)))
+    bn_path = tmp_path / "bn_only"
+    bn_only.export(str(bn_path), verbose=False)
+    assert not _xla_functions(bn_path)
+    (out,) = _serve("savedmodel", bn_path, x, tmp_path)
+    np.testing.assert_array_equal(_bits(out), _bits(bn_only(tf.constant(x)).numpy()))
     # On request, the native ops (an artifact for where the package is installed).
     native = tmp_path / "native"
     with tsm.portable(False):

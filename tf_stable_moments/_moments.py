@@ -131,18 +131,24 @@ def _context_cache():
         return _cache
 
 
-def _compiled(key, fn, spec, jit_compile=True):
+def _compiled(key, fn, spec, jit_compile=True, noinline=False):
     """A tf.function of the current context (jit_compile by default; None: for calls
     from graphs that XLA compiles, which inlines it), traced once per key: its concrete
     function (the signature is fixed), which eager mode calls in about 0.2 ms where the
     polymorphic function's argument binding takes about 0.45 ms (measured on a blend of
-    two 64-vectors; a BatchNormalization step in eager mode makes two such calls)."""
+    two 64-vectors; a BatchNormalization step in eager mode makes two such calls).
+    noinline: a function that TensorFlow's graph optimizer keeps as one call, not
+    inlined at every call site (`_output._compiled`'s portable functions)."""
     functions = _context_cache()["functions"]
-    key = (key, jit_compile)
+    key = (key, jit_compile, noinline)
     with _lock:
         if key not in functions:
             functions[key] = tf.function(
-                fn, input_signature=spec, jit_compile=jit_compile, autograph=False
+                fn,
+                input_signature=spec,
+                jit_compile=jit_compile,
+                autograph=False,
+                experimental_attributes={"_noinline": True} if noinline else None,
             ).get_concrete_function()
         return functions[key]
 

@@ -414,6 +414,7 @@ XLA = SimpleNamespace(
     exact_sum=_exact_sum_xla,
     materialize=_materialize_xla,
     materialize_all=_materialize_all_xla,
+    honours_nan=False,  # (XLA's CPU code was seen to drop comparisons with NaN)
     **_COMMON,
 )
 PLAIN = SimpleNamespace(
@@ -424,5 +425,6 @@ PLAIN = SimpleNamespace(
     exact_sum=tf.reduce_sum,
     materialize=tf.identity,
     materialize_all=list,
+    honours_nan=True,
     **_COMMON,
 )

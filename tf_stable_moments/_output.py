@@ -143,8 +143,18 @@ def _compiled(name, fn, args, **options):
     compiled).  Where XLA compiles the graph being built it is a plain function call,
     which XLA inlines: each layer adds one call to the graph, not the formulas' hundred
     operations (ten BatchNormalization layers under jit_compile: 1.3 s less tracing).
-    The bits are the same (docs section 14)."""
-    from tf_stable_moments import _moments
+    The bits are the same (docs section 14).
+
+    Traced for an export (`_native.portable_now`) with float32 operands, it is a plain
+    function instead (float32 formulas have the same bits in plain operations: docs
+    section 14; float64 ones keep XLA, `_run64`), one call that TensorFlow's graph
+    optimizer does not inline.  So a loaded artifact compiles nothing for a new shape:
+    an XLA computation per shape cost about 35 ms at the first call of each (an exported
+    ResNet50: nine BatchNormalization shapes, first call 1.6x keras's; plain: 1.16x),
+    and the optimizer rewrites the body once, not per layer (inlined: 2.9x).  The price
+    is the steady call: several passes per output element where XLA fuses one (about
+    1.25x keras's serving step against 1.1x; benchmarks/export.py, README "Deploying")."""
+    from tf_stable_moments import _moments, _native
 
     spec = [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args]
     key = (
@@ -153,8 +163,14 @@ def _compiled(name, fn, args, **options):
         tuple(sorted(options.items())),
         tuple((s.shape.rank, s.dtype) for s in spec),
     )
-    jit = None if in_xla_context() else True
-    return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, jit)(*args)
+    if in_xla_context():
+        return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, None)(*args)
+    if _native.portable_now() and all(s.dtype == tf.float32 for s in spec):
+        plain = _moments._compiled(
+            key, lambda *a: fn(PLAIN, *a, **options), spec, False, noinline=True
+        )
+        return plain(*args)
+    return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, True)(*args)
 
 
 def _native_formula(name, x):
