@@ -184,8 +184,11 @@ def test_keras_model_export_is_portable_and_serves_without_the_package(tmp_path)
     bn_path = tmp_path / "bn_only"
     bn_only.export(str(bn_path), verbose=False)
     assert not _xla_functions(bn_path)
-    (out,) = _serve("savedmodel", bn_path, x, tmp_path)
-    np.testing.assert_array_equal(_bits(out), _bits(bn_only(tf.constant(x)).numpy()))
+    special = x.copy()  # rows of NaN, of +-inf and NaN (inf - inf), of overflow
+    special[0, 0], special[1, 3], special[2, 5], special[3] = np.nan, np.inf, -np.inf, 3e38
+    for data in (x, special):
+        (out,) = _serve("savedmodel", bn_path, data, tmp_path)
+        np.testing.assert_array_equal(_bits(out), _bits(bn_only(tf.constant(data)).numpy()))
     # On request, the native ops (an artifact for where the package is installed).
     native = tmp_path / "native"
     with tsm.portable(False):
