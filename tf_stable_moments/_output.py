@@ -152,8 +152,9 @@ def _compiled(name, fn, args, **options):
     an XLA computation per shape cost about 35 ms at the first call of each (an exported
     ResNet50: nine BatchNormalization shapes, first call 1.6x keras's; plain: 1.16x),
     and the optimizer rewrites the body once, not per layer (inlined: 2.9x).  The price
-    is the steady call: several passes per output element where XLA fuses one (about
-    1.25x keras's serving step against 1.1x; benchmarks/export.py, README "Deploying")."""
+    is the steady call: several passes per output element where XLA fuses one (an
+    exported ResNet50's serving call 1.26-1.32x keras's against 1.08-1.15x;
+    benchmarks/export.py, README "Deploying")."""
     from tf_stable_moments import _moments, _native
 
     spec = [tf.TensorSpec([None] * a.shape.rank, a.dtype) for a in args]
@@ -202,8 +203,9 @@ def blend(a, wa, b, wb):
 def scale_shift(r, v, gamma=None, beta=None, shared=False):
     """A layer's output from r, v = var + eps (per slice, broadcast against r), gamma,
     beta: `_affine.scale_shift32` (docs section 14) for float32, one fused XLA pass
-    outside XLA too; shared: gamma has t's shape (BatchNormalization), else gamma is
-    per feature (LN, GN).  The gradient is the plain expression's (`scale_shift_grad`):
+    outside XLA too (traced for an export: a plain function, `_compiled`); shared:
+    gamma has t's shape (BatchNormalization), else gamma is per feature (LN, GN).  The
+    gradient is the plain expression's (`scale_shift_grad`):
     the native op's registered gradient where the op serves, else a custom gradient."""
     kind = _kind(r, v, gamma, beta)
     if kind is None:

@@ -80,7 +80,9 @@ def portable(enabled=True):
     included: it traces its endpoints there) are portable and all others use the native
     ops.  Portable means: every call takes the XLA kernel written in plain TensorFlow
     operations instead of the native ops (`StableMoments`, `StableCentre`, ..., and the
-    native custom calls under ``jit_compile``), and the layers skip the stall check.
+    native custom calls under ``jit_compile``), the layers' float32 output formulas
+    are plain functions (outside ``jit_compile``: a served artifact compiles nothing
+    for them, for any batch size), and the layers skip the stall check.
     The statistics are certified, so they have the same bits either way.
 
     portable(): portable tracing in the block, e.g. for a function traced before it is
