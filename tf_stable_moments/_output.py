@@ -153,7 +153,7 @@ def _compiled(name, fn, args, **options):
     ResNet50: nine BatchNormalization shapes, first call 1.6x keras's; plain: 1.16x),
     and the optimizer rewrites the body once, not per layer (inlined: 2.9x).  The price
     is the steady call: several passes per output element where XLA fuses one (an
-    exported ResNet50's serving call 1.26-1.32x keras's against 1.08-1.15x;
+    exported ResNet50's serving call 1.26-1.34x keras's against 1.07-1.15x;
     benchmarks/export.py, README "Deploying")."""
     from tf_stable_moments import _moments, _native
 
