@@ -5,10 +5,11 @@ Usage::
 
     python benchmarks/export.py [--backends tensorflow jax] [--batch 4]
 
-Per Keras backend, the model of `benchmarks/models.py` (TensorFlow: ResNet50 at 32x32,
-every BatchNormalization swapped; JAX: the pre-LN Encoder with 8 LayerNormalization)
-with keras's layers and after ``tf_stable_moments.stabilize``: ``model.export`` (the
-SavedModel TF Serving loads; jax2tf on the JAX backend), the artifact's size on disk,
+Per Keras backend, the models of `benchmarks/models.py` (TensorFlow: ResNet50 at 32x32,
+every BatchNormalization swapped, and the pre-LN Encoder with 8 LayerNormalization;
+JAX: the Encoder) with keras's layers and after ``tf_stable_moments.stabilize``:
+``model.export`` (the SavedModel TF Serving loads; jax2tf on the JAX backend), the
+artifact's size on disk,
 then in a fresh process in which importing this package fails: the time of
 ``tf.saved_model.load``, of the first ``serve`` call, the median of five more and the
 first call of another batch size (1); then,
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"tensorflow": "ResNet50", "jax": "Encoder"}
+MODELS = {"tensorflow": ("ResNet50", "Encoder"), "jax": ("Encoder",)}
 
 # The serving process: this package cannot be imported there.
 _GUARD = """
@@ -85,14 +86,14 @@ def _run(script, *args):
     return json.loads(line[0][7:])
 
 
-def measure(backend, batch, directory):
-    """{"keras": ..., "ours": ...}: (export s, bytes, load s, first call s, steady s)."""
+def measure(backend, name, batch, directory):
+    """{"keras": [...], "ours": [...], "paired": ratio}: export s, bytes, load s, first call
+    s, steady s, first call of batch 1 s; the paired steady ratio ours / keras."""
     import numpy as np
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import models
 
-    name = MODELS[backend]
     base, ours = models._models(name, 32, True)
     x = models._inputs(name, 32, batch, np.random.default_rng(0))
     data = Path(directory) / "x.npy"
@@ -100,14 +101,14 @@ def measure(backend, batch, directory):
     out = {}
     for label, model in (("keras", base), ("ours", ours)):
         model(x[:1])
-        path = Path(directory) / f"{backend}_{label}"
+        path = Path(directory) / f"{backend}_{name}_{label}"
         start = time.perf_counter()
         model.export(str(path), verbose=False)
         export = time.perf_counter() - start
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         out[label] = [export, size, *_run(_SERVE, path, data)]
     out["paired"] = _run(
-        _PAIRED, *(Path(directory) / f"{backend}_{x}" for x in ("keras", "ours")), data
+        _PAIRED, *(Path(directory) / f"{backend}_{name}_{x}" for x in ("keras", "ours")), data
     )
     return out
 
@@ -125,21 +126,22 @@ def main(argv=None):
         return
     backend = os.environ["KERAS_BACKEND"]
     sys.path.insert(0, str(ROOT))
-    with tempfile.TemporaryDirectory() as directory:
-        out = measure(backend, args.batch, directory)
-    print(f"\n{backend}, {MODELS[backend]}, batch {args.batch}: keras / ours (ratio)")
-    print(
-        "| export (s) | size (bytes) | load (s) | first call (s) | steady call (ms) "
-        "| first call of batch 1 (s) | steady, paired in one process |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    keras, ours = out["keras"], out["ours"]
-    cells = []
-    for i, scale in enumerate((1, 1, 1, 1, 1000, 1)):
-        a, b = keras[i] * scale, ours[i] * scale
-        cells.append(f"{a:.4g} / {b:.4g} ({b / a:.2f})")
-    cells.append(f"{out['paired']:.2f}")
-    print("| " + " | ".join(cells) + " |")
+    for name in MODELS[backend]:
+        with tempfile.TemporaryDirectory() as directory:
+            out = measure(backend, name, args.batch, directory)
+        print(f"\n{backend}, {name}, batch {args.batch}: keras / ours (ratio)")
+        print(
+            "| export (s) | size (bytes) | load (s) | first call (s) | steady call (ms) "
+            "| first call of batch 1 (s) | steady, paired in one process |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        keras, ours = out["keras"], out["ours"]
+        cells = []
+        for i, scale in enumerate((1, 1, 1, 1, 1000, 1)):
+            a, b = keras[i] * scale, ours[i] * scale
+            cells.append(f"{a:.4g} / {b:.4g} ({b / a:.2f})")
+        cells.append(f"{out['paired']:.2f}")
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
