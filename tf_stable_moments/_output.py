@@ -165,13 +165,13 @@ def _compiled(name, fn, args, **options):
         tuple((s.shape.rank, s.dtype) for s in spec),
     )
     if in_xla_context():
-        return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, None)(*args)
-    if _native.portable_now() and all(s.dtype == tf.float32 for s in spec):
-        plain = _moments._compiled(
-            key, lambda *a: fn(PLAIN, *a, **options), spec, False, noinline=True
-        )
-        return plain(*args)
-    return _moments._compiled(key, lambda *a: fn(XLA, *a, **options), spec, True)(*args)
+        ops, jit, noinline = XLA, None, False
+    elif _native.portable_now() and all(s.dtype == tf.float32 for s in spec):
+        ops, jit, noinline = PLAIN, False, True
+    else:
+        ops, jit, noinline = XLA, True, False
+    compiled = _moments._compiled(key, lambda *a: fn(ops, *a, **options), spec, jit, noinline)
+    return compiled(*args)
 
 
 def _native_formula(name, x):
