@@ -67,10 +67,12 @@ REPLICAS = (2, 4, 8)
 def _collective_bytes(graph, replicas, rows, channels, kind="gather"):
     """Bytes of replica 0's collectives: an all-reduce's input, an all-gather's output.
 
-    Shapes come from the graph.  Only the all_gather path has collectives of unknown
-    shape: its gather of the (flattened) batch and, in the gradient, the all-reduce of
-    the flattened gradient of the gathered batch; both carry replicas * rows * channels
-    elements (tf.distribute's all_gather first gathers the shapes: [1, rank] int32).
+    Shapes come from the graph.  The merge's second round has a shape known when it runs
+    (mean_lo's sums and the open slices' elements: the sums alone on decided data); the
+    all_gather path's collectives of unknown shape are its gather of the (flattened)
+    batch and, in the gradient, the all-reduce of the flattened gradient of the gathered
+    batch; both carry replicas * rows * channels elements (tf.distribute's all_gather
+    first gathers the shapes: [1, rank] int32).
     """
     total = 0
     for op in graph.get_operations():
@@ -78,9 +80,10 @@ def _collective_bytes(graph, replicas, rows, channels, kind="gather"):
             continue
         tensor = op.inputs[0]
         elements = tensor.shape.num_elements() if tensor.shape.rank is not None else None
-        if elements is None and kind == "merge":  # the smallest |x| of each replica
-            # gathered ([1, channels] each), and the open slices' states: none here
-            elements = replicas * channels if "Gather" in op.type else 0
+        if elements is None and kind == "merge":
+            # The second round: mean_lo's sums [channels] (int64) with the bits of the
+            # open slices' elements (none on decided data).
+            elements = channels
         elif elements is None:
             elements = replicas * rows * channels
         elif "Gather" in op.type:

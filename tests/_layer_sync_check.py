@@ -6,7 +6,8 @@ Two logical CPU devices must be configured before TensorFlow initialises, so
 this runs in its own process (tests/test_layer.py starts it).  A global batch
 of 16 rows N(1e6, 1), 4 channels, with and without a mask, is split 10 + 6
 over a MirroredStrategy; the same layer weights run on the whole batch on one
-device.  Outputs, updated moving statistics and input gradients of both are
+device (and a batch whose global slices are a tie and a near-tie, "ties": the
+exact round).  Outputs, updated moving statistics and input gradients of both are
 written for the test to compare, with a Hessian-vector product (the gradient of
 sum(grad * v)) of fresh layers, and the sizes of replica 0's collectives.
 """
@@ -68,10 +69,24 @@ def _joined(strategy, per_replica):
     return np.concatenate([v.numpy() for v in strategy.experimental_local_results(per_replica)])
 
 
-def run(strategy, masked):
+def _ties(rng):
+    """16 x 4 float32 whose global slices are ties no shard has: 1 a midpoint (eight 1.0,
+    eight 1 + 2**-23: decided on the lattice), 2 a near-tie that no bound decides (the
+    mean 1 + 2**-24 + 2**-104: one element 2**-100, no lattice), so the exact round runs;
+    0 and 3 N(1e6, 1) and N(0, 1)."""
+    x = np.stack([rng.normal(1e6, 1, 16), np.ones(16), np.ones(16), rng.normal(0, 1, 16)], 1)
+    x[8:, 1] = 1 + 2.0**-23
+    x[6:14, 2] = 1 + 2.0**-23
+    x[14, 2], x[15, 2] = 2.0, 2.0**-100
+    return x.astype(np.float32)
+
+
+def run(strategy, case):
     rng = np.random.default_rng(30)
     x = rng.normal(1e6, 1, size=(16, 4)).astype(np.float32)
-    mask = rng.random(16) < 0.7 if masked else None
+    mask = rng.random(16) < 0.7 if case == "masked" else None
+    if case == "ties":
+        x = _ties(rng)
     loss_weights = rng.normal(size=(16, 4)).astype(np.float32)
     v = rng.normal(size=(16, 4)).astype(np.float32)
     out = {}
@@ -113,7 +128,7 @@ if __name__ == "__main__":
     # its collective instance keys, and the runtime would pair them with the first one's.
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     results = {}
-    for masked in (False, True):
-        for key, value in run(strategy, masked).items():
-            results[f"{'masked' if masked else 'plain'}_{key}"] = value
+    for case in ("plain", "masked", "ties"):
+        for key, value in run(strategy, case).items():
+            results[f"{case}_{key}"] = value
     np.savez(sys.argv[1], **results)

@@ -635,9 +635,10 @@ def sync_outputs(tmp_path_factory):
     return dict(np.load(path))
 
 
-@pytest.mark.parametrize("case", ["plain", "masked"])
+@pytest.mark.parametrize("case", ["plain", "masked", "ties"])
 def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
-    """10 + 6 rows on a two-replica MirroredStrategy == 16 rows on one device, bit for bit."""
+    """10 + 6 rows on a two-replica MirroredStrategy == 16 rows on one device, bit for bit
+    (ties: a global near-tie that only the exact round decides, its mean_lo with it)."""
     out = {k.removeprefix(f"{case}_"): v for k, v in sync_outputs.items() if k.startswith(case)}
     for key in ("y", "moving"):
         np.testing.assert_array_equal(
@@ -649,17 +650,21 @@ def test_synchronized_two_replicas_match_one_device(sync_outputs, case):
     # Second order (a Hessian-vector product): the same, to float32 tolerance.
     scale = np.abs(out["single_hvp"]).max()
     np.testing.assert_allclose(out["sync_hvp"], out["single_hvp"], rtol=0, atol=1e-6 * scale)
-    # Communication is independent of the batch (docs section 13b): replica 0's collectives
-    # per call of the statistics are the certified merge's: the shift [C] (float32: an
-    # input), the sums and smallest-magnitude exponent terms [3, C] with the count, flat
-    # (float64: 3 C + 1), the open slices' packed states (their number known when it
-    # runs: none here); then the float64 mean_lo sums [C] (unmasked) or a second call
-    # (masked: its selected counts [C] int64 after the first); the [3, 4] backward.
+    # Communication is independent of the batch on decided data (docs section 13b):
+    # replica 0's collectives per call of the statistics are the certified merge's: the
+    # shift [C] (float32: an input), the sums and smallest-magnitude exponent terms [3, C]
+    # with the count, flat (float64: 3 C + 1), and a second round whose size is known
+    # when it runs.  Unmasked (mean_lo): the square of the replica's row count rides in
+    # the sums, and the second round is the int64 mean_lo sums [C] with the lanes of the
+    # open slices' elements (none on decided data).  Masked (two calls without mean_lo, its selected
+    # counts [C] int64 after the first): the open slices' packed states.  Then the [3, 4]
+    # backward.
     merge = [(0, 4, 4), (0, 8, 13), (0, 8, -1)]
     expected = {
-        "plain": merge + [(0, 8, 4), (0, 4, 12)],
+        "plain": [(0, 4, 4), (0, 8, 14), (0, 8, -1), (0, 4, 12)],
         "masked": merge + [(0, 8, 4)] + merge + [(0, 4, 12)],
-    }[case]
+    }
+    expected = expected["plain" if case == "ties" else case]
     assert [tuple(row) for row in out["collectives"].tolist()] == expected
 
 

@@ -8,6 +8,8 @@ the union; exact moments states (int32 digits, packed into int64 lanes) only for
 slices it leaves open.  The JAX counterpart is jax_kernel/_union.py.
 """
 
+import collections
+
 import tensorflow as tf
 
 from moments_core import _kernel
@@ -23,14 +25,17 @@ __all__ = ["moments"]
 _sync_exact_states = False
 
 
+# A replica of a replica context: its id and the number in sync.
+Replica = collections.namedtuple("Replica", ["id", "count"])
+
+
 def collectives(context):
-    """(all_sum, replica) of a replica context: its SUM all-reduce and (this replica's id,
-    the number in sync)."""
+    """(all_sum, replica) of a replica context: its SUM all-reduce and its `Replica`."""
 
     def all_sum(v):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, v)
 
-    return all_sum, (context.replica_id_in_sync_group, context.num_replicas_in_sync)
+    return all_sum, Replica(context.replica_id_in_sync_group, context.num_replicas_in_sync)
 
 
 def pack(digits):
@@ -60,51 +65,99 @@ def unpack(lanes, size):
 def global_stats(all_sum, v, axes, lo, extra=None, replica=None, ddof=0):
     """(mean, mean_lo or None, var, n, extra summed) of the global batch of v (all replicas).
 
-    float32, float16 and bfloat16 with `replica` (this replica's id and
-    the number in sync): the certified merge (docs section 13b, `_merged_moments`).
-    Else (float64, complex) one all-reduce of the packed states (with `extra`, a
-    per-slice int32 count below 2**31, as one more lane of the same collective).  With
-    lo, one more all-reduce of the float64 fixed-point sums of mean_lo
-    (moments_core/_kernel.py `mean_lo` with reduce=; real data).
+    float32, float16 and bfloat16 with `replica` (a `Replica`): the certified merge
+    (docs section 13b, `_merged_moments`, mean_lo included).  Else (float64, complex)
+    one all-reduce of the packed states (with `extra`, a per-slice int32 count below
+    2**31, as one more lane of the same collective); with lo, one more all-reduce of
+    the float64 fixed-point sums of mean_lo (moments_core/_kernel.py `mean_lo` with
+    reduce=; real data).
     """
     fmt = FORMATS.get(v.dtype.name)  # None for complex data
-    summed_extra = None
     if fmt is not None and fmt.wide and replica is not None and not _sync_exact_states:
-        mean, var, n = _merged_moments(all_sum, replica, v, axes, fmt, ddof)
-        if extra is not None:
-            summed_extra = all_sum(tf.cast(extra, tf.int64))
-    else:
-        state = state_api.moments_state(v, axes)
-        size = state.values.shape[-1]
-        lanes = pack(state.values)
-        if extra is not None:
-            lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
-        summed = all_sum(lanes)
-        total = state_api.MomentsState(unpack(summed[..., : (size + 1) // 2], size), state.dtype)
-        mean, var = state_api.state_moments(total, ddof)
-        digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
-        n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
-        summed_extra = summed[..., -1] if extra is not None else None
+        mean, mean_lo, var, n = _merged_moments(all_sum, replica, v, axes, fmt, ddof, lo)
+        summed_extra = None if extra is None else all_sum(tf.cast(extra, tf.int64))
+        return mean, mean_lo, var, n, summed_extra
+    state = state_api.moments_state(v, axes)
+    size = state.values.shape[-1]
+    lanes = pack(state.values)
+    if extra is not None:
+        lanes = tf.concat([lanes, tf.cast(tf.expand_dims(extra, -1), tf.int64)], -1)
+    summed = all_sum(lanes)
+    total = state_api.MomentsState(unpack(summed[..., : (size + 1) // 2], size), state.dtype)
+    mean, var = state_api.state_moments(total, ddof)
+    digits = tf.cast(tf.reshape(total.values, [-1, size])[0, :3], tf.int64)
+    n = digits[0] + digits[1] * 2**16 + digits[2] * 2**32  # a digit sum: valid uncarried
+    summed_extra = summed[..., -1] if extra is not None else None
     mean_lo = None
     if lo:
         laid, axis = _moments._layout(v, axes)
         m64 = tf.cast(tf.reshape(mean, [-1]), tf.float64)
         v64 = tf.cast(tf.reshape(var, [-1]), tf.float64)
         n = tf.cast(n, tf.int64)
-        key = (axis, ddof, v.dtype)
-
-        def sums(ops, x, m, w, count):
-            return _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
-
-        def rounded(ops, total, unscale, ok, count):
-            return _kernel.mean_lo_round(ops, total, unscale, ok, count, fmt)
-
-        spec = [_matrix(v.dtype), _vector(tf.float64), _vector(tf.float64), _scalar(tf.int64)]
-        total, unscale, ok = _phase(("lo_sums", *key), sums, (laid, m64, v64, n), spec)
-        spec = [_vector(tf.float64)] * 3 + [_scalar(tf.int64)]
-        mean_lo = _phase(("lo_round", *key), rounded, (all_sum(total), unscale, ok, n), spec)
+        mean_lo = _mean_lo(all_sum, laid, axis, m64, v64, n, ddof, fmt)
         mean_lo = tf.reshape(tf.cast(mean_lo, v.dtype), tf.shape(mean))
     return mean, mean_lo, var, n, summed_extra
+
+
+def _mean_lo(all_sum, laid, axis, m64, v64, n, ddof, fmt):
+    """mean_lo (float64, [kept]) of the union from the global mean and variance m64, v64
+    and count n: each replica's fixed-point sums of its part (`_kernel.mean_lo_sums`),
+    all-reduced (exact: integers below 2**53), then rounded (`_kernel.mean_lo_round`)."""
+    total, unscale, ok = _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt)
+    return _mean_lo_round(all_sum(total), unscale, ok, n, fmt)
+
+
+def _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt, integer=False):
+    """`_kernel.mean_lo_sums` as a phase; integer: the sums as int64 (0 where undefined)."""
+
+    def sums(ops, x, m, w, count):
+        total, unscale, ok = _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
+        if integer:  # integers below 2**53: exact
+            total = ops.cast(ops.where(ok > 0.0, total, 0.0), "int64")
+        return total, unscale, ok
+
+    spec = [_matrix(laid.dtype), _vector(tf.float64), _vector(tf.float64), _scalar(tf.int64)]
+    key = ("lo_sums", axis, ddof, laid.dtype, integer)
+    return _phase(key, sums, (laid, m64, v64, n), spec)
+
+
+def _mean_lo_round(total, unscale, ok, n, fmt):
+    def rounded(ops, total, unscale, ok, count):
+        return _kernel.mean_lo_round(ops, total, unscale, ok, count, fmt)
+
+    spec = [_vector(tf.float64)] * 3 + [_scalar(tf.int64)]
+    return _phase(("lo_round", fmt.name), rounded, (total, unscale, ok, n), spec)
+
+
+# The open slices' elements in the second round (`_merged_moments` with lo): each
+# replica writes its rows into its block of the union, rows [r M, r M + n_r), as int64
+# lanes holding the element's bit pattern (unsigned) plus 2**32 (present); the rows of
+# the other blocks are zero, so the integer SUM over the replicas concatenates the
+# blocks exactly (-0.0 and NaN payloads included) and marks the rows that hold an
+# element.  M >= every n_r comes from sum_r n_r**2 (one float64 lane of the sums'
+# all-reduce, the same on every replica): n_r <= sqrt(sum n_r**2); M = n_r when the
+# replicas hold equal parts, at most sqrt(R) max n_r otherwise.
+_BITS = {tf.float32: tf.uint32, tf.float16: tf.uint16, tf.bfloat16: tf.uint16}
+_PRESENT = 2**32
+
+
+def _union_rows(squares):
+    """M: an int64 bound on every replica's row count from the SUM of their squares
+    (exact below 2**53; the margin covers the rounding of a larger sum)."""
+    return tf.cast(tf.math.ceil(tf.sqrt(squares) * (1.0 + 2.0**-30)), tf.int64)
+
+
+def _lanes(part, bits_type):
+    """int64 lanes of a float array: its unsigned bit pattern plus _PRESENT."""
+    return tf.cast(tf.bitcast(part, bits_type), tf.int64) + _PRESENT
+
+
+def _from_lanes(lanes, bits_type, dtype):
+    """The rows of the SUM of every replica's lanes [R M, open] that hold an element, as
+    dtype: the union of the open slices (open >= 1)."""
+    present = tf.equal(tf.bitwise.right_shift(lanes[:, 0], 32), 1)
+    lanes = tf.boolean_mask(lanes, present) - _PRESENT
+    return tf.bitcast(tf.cast(lanes, bits_type), dtype)
 
 
 def _matrix(dtype):
@@ -132,15 +185,27 @@ def _phase(key, fn, args, spec):
     return compiled(*args)
 
 
-def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0):
-    """(mean, var, n) of the global batch of v by the certified merge (docs section 13b)
-    in a replica context: the shift of replica 0 (an all-reduce in which it alone
-    contributes; 0 if it has no rows), one all-reduce of the fast sums, bounds, the
-    smallest magnitudes' exponents and the count.  tf.distribute allows no collective
-    inside tf.cond, so the second round always runs, on the slices left open alone (none
-    on decided data): their exact states, all-reduced.  Every replica computes the open
-    slices from the reduced values alone, so all gather the same ones."""
-    rid, replicas = replica
+def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
+    """(mean, mean_lo or None, var, n) of the global batch of v by the certified merge
+    (docs section 13b) in a replica context: the shift of replica 0 (an all-reduce in which
+    it alone contributes; 0 if it has no rows), one all-reduce of the fast sums, bounds,
+    the smallest magnitudes' exponents and the count.  Every replica computes the open
+    slices from the reduced values alone, so all take the same ones.  tf.distribute
+    allows no collective inside tf.cond, so the second round always runs, on the open
+    slices alone (none on decided data):
+
+    * without lo, their exact states, all-reduced;
+    * with lo, their elements, beside mean_lo's sums of every slice (from the merged
+      mean and variance: those of the decided slices) in one all-reduce.  An open
+      slice's mean_lo needs its final mean, which its states would give only after
+      that round (a third one, always run); its elements give every replica the open
+      slices of the union, whose mean, variance and mean_lo it computes as one device
+      holding them (the same bits).  Three rounds instead of four.  The elements travel
+      as integer lanes in each replica's block of the union (`_lanes`); an all-gather
+      would do, but TensorFlow's collective all-gather of an empty tensor (no slice
+      open) crashes the process.
+    """
+    rid, replicas = replica.id, replica.count
     laid, axis = _moments._layout(v, axes)
     size = tf.shape(laid, out_type=tf.int64)[axis]
 
@@ -161,32 +226,66 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0):
 
     spec = [_matrix(v.dtype), _vector(tf.float64), _scalar(tf.int64)]
     flat = _phase(("rows", *key), rows, (laid, k, size), spec)
+    if lo:  # the square of the replica's row count (`_union_rows`)
+        flat = tf.concat([tf.reshape(tf.cast(size, tf.float64) ** 2, [1]), flat], 0)
+    reduced = all_sum(flat)
+    if lo:
+        block, reduced = _union_rows(reduced[0]), reduced[1:]
     spec = [_vector(tf.float64), _vector(tf.float64)]
-    m64, v64, todo, n = _phase(("decide", *key), decide, (all_sum(flat), k), spec)
-    # The second round: the open slices (the same on every replica).  Its collective always
-    # runs (on no slice where all are decided); the local work around it only if needed.
-    width = state_api.state_size(v.dtype)
+    m64, v64, todo, n = _phase(("decide", *key), decide, (reduced, k), spec)
+    open_slices = tf.where(todo)[:, 0]
+    where = tf.expand_dims(open_slices, 1)
     any_open = tf.reduce_any(todo)
+    lo64 = None
+    if lo:
+        total, unscale, ok = _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt, integer=True)
+        kept = tf.shape(total, out_type=tf.int64)[0]
+        bits_type = _BITS[v.dtype]
 
-    def local_states():
-        part = tf.gather(laid, tf.where(todo)[:, 0], axis=1 - axis)
-        return pack(state_api.moments_state(part, [axis]).values)
+        def with_open():  # this replica's rows of the open slices, in its block
+            part = tf.gather(laid, open_slices, axis=1 - axis)
+            part = part if axis == 0 else tf.transpose(part)  # [rows, open]
+            lanes = _lanes(part, bits_type)
+            start = tf.cast(rid, tf.int64) * block
+            pads = tf.stack([start, replicas * block - start - size])
+            lanes = tf.pad(lanes, tf.stack([pads, tf.zeros([2], tf.int64)]))
+            return tf.concat([total, tf.reshape(lanes, [-1])], 0)
 
-    empty = tf.zeros([0, (width + 1) // 2], tf.int64)
-    summed = all_sum(tf.cond(any_open, local_states, lambda: empty))
+        summed = all_sum(tf.cond(any_open, with_open, lambda: total))
+        lo64 = _mean_lo_round(tf.cast(summed[:kept], tf.float64), unscale, ok, n, fmt)
 
-    def fixed():
-        exact = state_api.MomentsState(unpack(summed, width), v.dtype)
-        em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact, ddof))
-        where = tf.expand_dims(tf.where(todo)[:, 0], 1)
-        return tf.tensor_scatter_nd_update(m64, where, em), tf.tensor_scatter_nd_update(
-            v64, where, ev
-        )
+        def exact():
+            shape = tf.stack([replicas * block, tf.size(open_slices, tf.int64)])
+            union = _from_lanes(tf.reshape(summed[kept:], shape), bits_type, v.dtype)
+            em, elo, ev = _moments.stats(union, [0], ddof)
+            return tuple(
+                tf.tensor_scatter_nd_update(t, where, tf.cast(e, tf.float64))
+                for t, e in ((m64, em), (v64, ev), (lo64, elo))
+            )
 
-    m64, v64 = tf.cond(any_open, fixed, lambda: (m64, v64))
+        m64, v64, lo64 = tf.cond(any_open, exact, lambda: (m64, v64, lo64))
+    else:
+        width = state_api.state_size(v.dtype)
+
+        def local_states():
+            part = tf.gather(laid, open_slices, axis=1 - axis)
+            return pack(state_api.moments_state(part, [axis]).values)
+
+        empty = tf.zeros([0, (width + 1) // 2], tf.int64)
+        summed = all_sum(tf.cond(any_open, local_states, lambda: empty))
+
+        def fixed():
+            exact = state_api.MomentsState(unpack(summed, width), v.dtype)
+            em, ev = (tf.cast(t, tf.float64) for t in state_api.state_moments(exact, ddof))
+            return tf.tensor_scatter_nd_update(m64, where, em), tf.tensor_scatter_nd_update(
+                v64, where, ev
+            )
+
+        m64, v64 = tf.cond(any_open, fixed, lambda: (m64, v64))
     shape = tf.gather(tf.shape(v), [a for a in range(v.shape.rank) if a not in axes])
     mean, var = (tf.reshape(tf.cast(t, v.dtype), shape) for t in (m64, v64))
-    return mean, var, n
+    mean_lo = None if lo64 is None else tf.reshape(tf.cast(lo64, v.dtype), shape)
+    return mean, mean_lo, var, n
 
 
 def _expand(t, axes):
