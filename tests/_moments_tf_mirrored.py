@@ -4,12 +4,14 @@ on logical CPU devices.
 Usage: python tests/_moments_tf_mirrored.py INPUT.npz OUTPUT.npz
 
 Logical devices must be configured before TensorFlow initialises, so this runs in its
-own process (tests/test_state.py starts it).  INPUT holds, per case NAME, the global
+own process (tests/test_merge.py starts it).  INPUT holds, per case NAME, the global
 batch NAME_x [rows, K] and the cut points NAME_cuts (replica i holds rows
-cuts[i]:cuts[i + 1]; uneven, one replica may hold none).  Written per case and ddof:
-every replica's mean and variance (NAME_ddofD_mean / _var [4, K]), from `strategy.run`
-inside a tf.function; and for case "grad" the gradient of every replica's loss
-sum(c_mean * mean + c_var * var) (c_* of the replica) with respect to its rows, joined
+cuts[i]:cuts[i + 1]; uneven, one replica may hold none); case "bfloat16" is held as
+float32 and cast in the replicas, its results cast back to float32 (exact).  Written
+per case and ddof: every replica's mean and variance (NAME_ddofD_mean / _var [4, K]),
+from `strategy.run` inside a tf.function; and for case "grad" the gradient of every
+replica's loss sum(c_mean * mean + c_var * var) (c_* of the replica) with respect to
+its rows, joined
 (grad [rows, K]).
 """
 
@@ -26,10 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tf_stable_moments import moments  # noqa: E402
 
 
-def _shards(strategy, x, cuts):
+def _shards(strategy, x, cuts, dtype=None):
     def part(context):
         i = context.replica_id_in_sync_group
-        return tf.constant(x[cuts[i] : cuts[i + 1]])
+        shard = tf.constant(x[cuts[i] : cuts[i + 1]])
+        return shard if dtype is None else tf.cast(shard, dtype)
 
     return strategy.experimental_distribute_values_from_function(part)
 
@@ -45,12 +48,16 @@ def main(src, dst):
     names = sorted(k[:-2] for k in data if k.endswith("_x") and k != "grad_x")
 
     def both(v):  # ddof 0 and 1 in one trace (tracing the merge for 4 replicas takes seconds)
-        return [moments(v, [0], ddof=ddof, synchronized=True) for ddof in (0, 1)]
+        pairs = [moments(v, [0], ddof=ddof, synchronized=True) for ddof in (0, 1)]
+        if v.dtype == tf.bfloat16:  # back as float32 (exact) for numpy
+            pairs = [[tf.cast(t, tf.float32) for t in pair] for pair in pairs]
+        return pairs
 
     step = tf.function(lambda xs: strategy.run(both, (xs,)), autograph=False)
     for name in names:
         x, cuts = data[f"{name}_x"], data[f"{name}_cuts"]
-        for ddof, (mean, var) in enumerate(step(_shards(strategy, x, cuts))):
+        dtype = tf.bfloat16 if name == "bfloat16" else None  # held as float32 in the file
+        for ddof, (mean, var) in enumerate(step(_shards(strategy, x, cuts, dtype))):
             out[f"{name}_ddof{ddof}_mean"] = _local(strategy, mean)
             out[f"{name}_ddof{ddof}_var"] = _local(strategy, var)
     x, cuts = data["grad_x"], data["grad_cuts"]

@@ -173,6 +173,11 @@ def test_moments_refuses_groups_without_an_axis_name():
 
 
 # ------------------------------------------------------------------ TensorFlow replicas
+def _bfloat16(x):
+    """x rounded to bfloat16, as float32 (exact)."""
+    return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float32)
+
+
 def _tf_cases():
     """{name: (x, cuts)}: the global batch and the rows of each of four replicas (one
     traced function per dtype: tracing the merge for four replicas takes seconds)."""
@@ -184,7 +189,17 @@ def _tf_cases():
     x[63, 7] = 1 + 2.0**-22  # the union's mean 2**-29 above the midpoint
     wide = rng.normal(1e8, 1, (40, 3))  # float64: the exact states
     z = (rng.normal(1e3, 1, (40, 3)) + 1j * rng.normal(0, 1, (40, 3))).astype(np.complex64)
+    # bfloat16 (held as float32 here, cast in the replicas): the open slices' elements
+    # travel as 16-bit patterns; slice 1 a NaN, slice 2 a near-tie no bound decides (the
+    # mean 1 + 2**-8 + 2**-100 / 24, as in the float32 case), slice 3 -0.0 and 2**-126.
+    half = _bfloat16(rng.normal(100, 1, (24, 4)))
+    half[5, 1] = np.nan
+    half[:, 2] = 1.0
+    half[10:22, 2] = 1 + 2.0**-7
+    half[22, 2], half[23, 2] = 2.0, 2.0**-100
+    half[:, 3], half[20, 3] = -0.0, 2.0**-126
     return {
+        "bfloat16": (half, np.array([0, 3, 3, 17, 24])),
         "float32": (x, np.array([0, 10, 10, 41, 64])),
         "float64": (wide, np.array([0, 1, 20, 39, 40])),
         "complex64": (z, np.array([0, 0, 13, 27, 40])),
@@ -217,13 +232,17 @@ def test_tf_moments_synchronized_gives_every_replica_the_oracle_bits_of_the_unio
     tf_replicas, name
 ):
     """moments(..., synchronized=True) in a MirroredStrategy of four replicas (uneven and
-    empty shards; NaN and inf in one replica's rows; a global tie and a near-tie; float64
-    and complex64 data, through the exact states): every replica's mean and variance are
-    the oracle's of the union, ddof 0 and 1."""
+    empty shards; NaN and inf in one replica's rows; a global tie and a near-tie; bfloat16;
+    float64 and complex64 data, through the exact states): every replica's mean and
+    variance are the oracle's of the union, ddof 0 and 1."""
     arrays, out = tf_replicas
     x = arrays[f"{name}_x"]
     for ddof in (0, 1):
-        mean, var = datasets.oracle(x, (0,), ddof)
+        if name == "bfloat16":  # the script's results come back as float32 (exact)
+            mean, var = datasets.oracle(x.astype(jnp.bfloat16), (0,), ddof)
+            mean, var = mean.astype(np.float32), var.astype(np.float32)
+        else:
+            mean, var = datasets.oracle(x, (0,), ddof)
         for replica in range(4):
             got_mean = out[f"{name}_ddof{ddof}_mean"][replica]
             got_var = out[f"{name}_ddof{ddof}_var"][replica]
