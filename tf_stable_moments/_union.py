@@ -236,6 +236,10 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
     open_slices = tf.where(todo)[:, 0]
     where = tf.expand_dims(open_slices, 1)
     any_open = tf.reduce_any(todo)
+
+    def open_part():  # this replica's part of the open slices, in the layout
+        return tf.gather(laid, open_slices, axis=1 - axis)
+
     lo64 = None
     if lo:
         total, unscale, ok = _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt, integer=True)
@@ -243,8 +247,7 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
         bits_type = _BITS[v.dtype]
 
         def with_open():  # this replica's rows of the open slices, in its block
-            part = tf.gather(laid, open_slices, axis=1 - axis)
-            part = part if axis == 0 else tf.transpose(part)  # [rows, open]
+            part = open_part() if axis == 0 else tf.transpose(open_part())  # [rows, open]
             lanes = _lanes(part, bits_type)
             start = tf.cast(rid, tf.int64) * block
             pads = tf.stack([start, replicas * block - start - size])
@@ -268,8 +271,7 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
         width = state_api.state_size(v.dtype)
 
         def local_states():
-            part = tf.gather(laid, open_slices, axis=1 - axis)
-            return pack(state_api.moments_state(part, [axis]).values)
+            return pack(state_api.moments_state(open_part(), [axis]).values)
 
         empty = tf.zeros([0, (width + 1) // 2], tf.int64)
         summed = all_sum(tf.cond(any_open, local_states, lambda: empty))
