@@ -507,6 +507,74 @@ def test_a_layer_step_under_jit_compile_computes_per_slice_values_once(native, m
     assert ours <= 1.5 * theirs + _output_formula_size(), (ours, theirs)
 
 
+def _xla_kernel_graph(fn, *specs):
+    """The op types of fn's trace as a tf.function(jit_compile=True), nested functions
+    included."""
+    graph = tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph
+    types = [op.type for op in graph.get_operations()]
+    for f in graph._functions.values():  # noqa: SLF001
+        types += [node.op for node in f.definition.node_def]
+    return types
+
+
+@pytest.mark.parametrize("lo", [False, True], ids=["moments", "stats"])
+def test_inside_xla_the_kernel_is_one_xla_call_module(lo, monkeypatch):
+    """The XLA kernel inside a user's XLA computation (accelerators; here the native
+    kernel switched off) is one XlaCallModule op holding its JAX export (one module per
+    variant, any shape): not the two thousand TensorFlow operations that the XLA bridge
+    converted at every call site."""
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
+
+    def fn(x):
+        if lo:
+            return tf_moments.stats(x, (0, 1, 2), 0)
+        return tf_stable_moments.moments(x, [0, 1, 2])
+
+    types = _xla_kernel_graph(fn, tf.TensorSpec([4, 8, 8, 16]))
+    assert types.count("XlaCallModule") == 1, types
+    assert len(types) < 60, len(types)
+    types = _xla_kernel_graph(fn, tf.TensorSpec([None, 8, 8, 16]))
+    assert types.count("XlaCallModule") == 1, types
+
+
+@pytest.mark.parametrize(
+    "shape", [(37, 5), (300, 3), (0, 3), (6, 0)], ids=["short", "long", "no_elements", "no_slices"]
+)
+def test_the_xla_call_module_of_unknown_shape_gives_the_oracle_bits(shape, monkeypatch):
+    """One module serves every shape (symbolic dimensions, refined by TensorFlow's XLA
+    at compile time): the oracle's bits for slices short and long, N(1e6, 1) and ties;
+    a length or slice count that is 0 at run time (symbolic dimensions are at least 1)
+    gives section 8's results through the op's guard."""
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
+    rng = np.random.default_rng(7)
+    x = (1e6 + rng.standard_normal(shape)).astype(np.float32)
+    if shape[0] > 1 and shape[1] > 0:
+        x[:, 0] = np.float32(1e6)  # a slice whose mean and variance are exact
+        x[: shape[0] // 2, 0] += np.float32(0.0625)
+    fn = tf.function(
+        lambda v: tf_stable_moments.moments(v, [0]),
+        jit_compile=True,
+        input_signature=[tf.TensorSpec([None, None])],
+    )
+    mean, var = fn(tf.constant(x))
+    if 0 in shape:  # as a static shape gives them (mean_lo included)
+
+        def stats(v):
+            return tf_moments.stats(v, (0,), 0)
+
+        static = tf.function(stats, jit_compile=True)(tf.constant(x))
+        dynamic = tf.function(
+            stats, jit_compile=True, input_signature=[tf.TensorSpec([None, None])]
+        )(tf.constant(x))
+        for a, b in zip(static, dynamic):
+            np.testing.assert_array_equal(bits(a.numpy()), bits(b.numpy()))
+        assert mean.shape == (shape[1],) and np.isnan(mean.numpy()).all()
+        return
+    want_mean, want_var = datasets.oracle(x, (0,))
+    np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
+    np.testing.assert_array_equal(bits(var.numpy()), bits(want_var))
+
+
 def _output_formula_size(shape=(8, 8, 8, 128)):
     """The instructions of the output formula y = RN32(RN64(r f + b)) alone (docs section
     14: a float64 product and sum, the rounding on the encoding), which every layer step

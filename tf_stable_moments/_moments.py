@@ -20,7 +20,7 @@ from tensorflow.python.eager import record as _record
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof, out_shape
-from tf_stable_moments import _native, _ops
+from tf_stable_moments import _native, _ops, _xla_module
 from tf_stable_moments._xla_context import in_xla_context
 
 _COMPUTE = {
@@ -155,10 +155,10 @@ def _compiled(key, fn, spec, jit_compile=True, noinline=False):
 
 def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     """The kernel as XLA computations of its own, each traced once and compiled per shape:
-    the fast path, then (only if a slice is undecided) the exact path, then mean_lo."""
+    the fast path, then (only if a slice is undecided) the exact path, then mean_lo, each
+    one XlaCallModule op of the kernel's JAX lowering (`_xla_module.step_outputs`)."""
     exact_only = _exact_only()
     dtype, k = parts[0].dtype, len(parts)
-    fmt = FORMATS[dtype.name]
     key = (axis, ddof, k, dtype, n is not None)
     spec = [tf.TensorSpec([None, None], dtype)] * k + (
         [tf.TensorSpec([], tf.int64)] if n is not None else []
@@ -167,30 +167,23 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     data = list(parts) + ([tf.cast(n, tf.int64)] if n is not None else [])
 
     def split(args):
-        return args[:k], (args[k] if n is not None else None), args[k + (n is not None) :]
+        return list(args[:k]), (args[k] if n is not None else None), args[k + (n is not None) :]
 
     def fast(*args):
         p, count, _ = split(args)
-        means, var, todo, sums = _kernel.fast_moments(
-            _ops.XLA, p, axis, ddof, fmt, count, exact_only, None, _kernel.f32_pairs()
-        )
-        # 1/n for mean_lo (`lows`), from the reciprocals the fast path computes anyway:
-        # a count unknown while tracing costs mean_lo eight integer divisions otherwise.
-        size = _ops.XLA.shape(p[0], axis) if count is None else count
-        rn = _kernel.counts(_ops.XLA, size, 0).rn[0]
-        return (*means, var, todo, tf.reduce_sum(tf.cast(todo, tf.int64)), rn, *sums)
+        return _xla_module.step_outputs("fast", p, count, [], [], axis, ddof, exact_only)
 
     def exact(*args):
         p, count, rest = split(args)
-        todo, means, var, sums = rest[0], list(rest[1 : k + 1]), rest[k + 1], rest[k + 2 :]
-        means, var = _kernel.exact_fix(_ops.XLA, p, axis, ddof, fmt, count, todo, means, var, sums)
-        return (*means, var)
+        sums = rest[k + 2 :]
+        return _xla_module.step_outputs(
+            "exact", p, count, rest, [], axis, ddof, exact_only, [s.dtype for s in sums]
+        )
 
     def lows(*args):
         p, count, rest = split(args)
-        return tuple(
-            _kernel.mean_lo(_ops.XLA, x, axis, m, rest[k], ddof, fmt, count, rn=rest[k + 1])
-            for x, m in zip(p, rest[:k])
+        return _xla_module.step_outputs(
+            "lows", p, count, rest[: k + 1], rest[k + 1 :], axis, ddof, exact_only
         )
 
     out = _compiled(("fast", exact_only, *key), fast, spec)(*data)
@@ -220,23 +213,16 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
 
 
 def _inline_kernel(parts, axis, ddof, lo):
-    """The kernel inside a user's XLA computation: a tf.function traced once per variant
-    for any shape (TensorSpec([None, None])) and called there, so that TensorFlow traces
-    the kernel's thousand operations once per process, not once per layer and shape (a
-    ResNet50's first jit_compile step traced them 53 times, 1.5 s each).  XLA compiles
-    the call for the shapes it is given; the results are the certified ones whatever
-    code path the trace took."""
+    """The kernel inside a user's XLA computation: one XlaCallModule op holding the
+    kernel's JAX lowering, exported once per variant for any shape (`_xla_module`).
+    TensorFlow's XLA bridge converted the kernel's two thousand TensorFlow operations at
+    every call site before (a ResNet50's first jit_compile step: 53 call sites, 11 s of
+    bridge).  XLA compiles the call for the shapes it is given; the results are the
+    certified ones."""
     exact_only = _exact_only()
-    dtype, k = parts[0].dtype, len(parts)
     if 0 in parts[0].shape.as_list():  # no data or no slices: the trivial static results
         return _kernel_outputs(_ops.XLA, parts, axis, ddof, None, lo, exact_only)
-
-    def whole(*p):
-        return _kernel_outputs(_ops.XLA, list(p), axis, ddof, None, lo, exact_only)
-
-    key = ("inline", lo, exact_only, axis, ddof, k, dtype)
-    fn = _compiled(key, whole, [tf.TensorSpec([None, None], dtype)] * k)
-    return fn(*parts)
+    return _xla_module.kernel_outputs(parts, axis, ddof, lo, exact_only)
 
 
 # XLA compiles the kernel once per concrete shape, so shapes are bucketed (8
