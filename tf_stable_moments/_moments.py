@@ -156,7 +156,7 @@ def _compiled(key, fn, spec, jit_compile=True, noinline=False):
 def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     """The kernel as XLA computations of its own, each traced once and compiled per shape:
     the fast path, then (only if a slice is undecided) the exact path, then mean_lo, each
-    one XlaCallModule op of the kernel's JAX lowering (`_xla_module.step_outputs`)."""
+    one XlaCallModule op of the kernel's JAX lowering (`_xla_module.outputs`)."""
     exact_only = _exact_only()
     dtype, k = parts[0].dtype, len(parts)
     key = (axis, ddof, k, dtype, n is not None)
@@ -171,19 +171,16 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
 
     def fast(*args):
         p, count, _ = split(args)
-        return _xla_module.step_outputs("fast", p, count, [], [], axis, ddof, exact_only)
+        return _xla_module.outputs("fast", p, axis, ddof, exact_only, count)
 
     def exact(*args):
         p, count, rest = split(args)
-        sums = rest[k + 2 :]
-        return _xla_module.step_outputs(
-            "exact", p, count, rest, [], axis, ddof, exact_only, [s.dtype for s in sums]
-        )
+        return _xla_module.outputs("exact", p, axis, ddof, exact_only, count, rest)
 
     def lows(*args):
         p, count, rest = split(args)
-        return _xla_module.step_outputs(
-            "lows", p, count, rest[: k + 1], rest[k + 1 :], axis, ddof, exact_only
+        return _xla_module.outputs(
+            "lows", p, axis, ddof, exact_only, count, rest[: k + 1], rest[k + 1 :]
         )
 
     out = _compiled(("fast", exact_only, *key), fast, spec)(*data)
@@ -222,7 +219,7 @@ def _inline_kernel(parts, axis, ddof, lo):
     exact_only = _exact_only()
     if 0 in parts[0].shape.as_list():  # no data or no slices: the trivial static results
         return _kernel_outputs(_ops.XLA, parts, axis, ddof, None, lo, exact_only)
-    return _xla_module.kernel_outputs(parts, axis, ddof, lo, exact_only)
+    return _xla_module.outputs("kernel", parts, axis, ddof, exact_only, lo=lo)
 
 
 # XLA compiles the kernel once per concrete shape, so shapes are bucketed (8

@@ -1,4 +1,4 @@
-"""The XLA kernel inside a TensorFlow XLA computation as one XlaCallModule operation.
+"""The XLA kernel in TensorFlow as XlaCallModule operations.
 
 Inside ``tf.function(jit_compile=True)`` (and Keras's ``jit_compile`` steps) the kernel
 of moments_core/_kernel.py was built from TensorFlow operations (`_ops.XLA`), some two
@@ -7,9 +7,12 @@ site: 11 s of a ResNet50's first ``jit_compile`` step (53 BatchNormalization lay
 Here the same kernel, on JAX operations (jax_kernel/_ops.py), is exported once per
 variant (dtype, parts, axis, ddof, mean_lo, exact-only switch) with symbolic shapes
 (``jax.export``: StableHLO, the format XlaCallModule reads), and every call site holds
-one XlaCallModule node with that module.  TensorFlow's XLA refines the module to the
-call's shapes and compiles it with the rest of the computation: no JAX at run time, no
-custom call, no host round trip; a SavedModel holding it needs TensorFlow only.
+one XlaCallModule node with that module: the whole kernel inside a user's XLA
+computation, and each of the three XLA computations of its own (fast path, exact
+path, mean_lo) that eager mode and plain graphs run with the native kernel off.
+TensorFlow's XLA refines the module to the call's shapes and compiles it with the rest
+of the computation: no JAX at run time, no custom call, no host round trip; a
+SavedModel holding it needs TensorFlow only.
 
 The module is the same certified kernel (the same code, and the same float32-pair
 choice as the TensorFlow operations: `_kernel.f32_pairs()`), so its results are the
@@ -17,9 +20,11 @@ correctly rounded ones, the bits of every other implementation.  It is lowered f
 every platform XLA serves (the kernel's operations lower alike on all of them), so
 the op compiles wherever TensorFlow places the computation.
 
-Symbolic dimensions are at least 1 (jax.export's rule): a slice length or a number of
-slices unknown while tracing takes the module only where it is nonzero at run time
-(a tf.cond; the results of empty inputs are section 8's constants).
+Symbolic dimensions are at least 1 (jax.export's rule), and XLA refines the module to
+the shapes it compiles for in both branches of a tf.cond: where a dimension is unknown
+while tracing, the module gets its inputs padded to at least one row and column, and
+a tf.cond takes section 8's results instead where the slice length or the number of
+slices is 0 at run time.
 """
 
 import functools
@@ -35,7 +40,7 @@ from jax_kernel import _ops as _jax_ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
 
-__all__ = ["kernel_outputs", "step_outputs"]
+__all__ = ["outputs"]
 
 # Every platform XlaCallModule may be compiled for (TensorFlow's names, lower case).
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -44,50 +49,29 @@ _lock = threading.Lock()
 
 
 @functools.cache
-def _exported(dtype, parts, axis, ddof, lo, exact_only, f32):
-    """jax.export.Exported of the kernel on `parts` arrays [rows, cols] of `dtype` (a
-    name), for symbolic rows and cols: (means per part, var, [mean_lo per part],
-    undecided) as `_moments._kernel_outputs` returns them."""
+def _exported(step, dtype, parts, axis, ddof, lo, exact_only, f32, has_n, sums):
+    """jax.export.Exported of one computation of the kernel on `parts` arrays [rows, cols]
+    of `dtype` (a name), for symbolic rows and cols:
+
+      "kernel": the whole kernel: means per part, var, [mean_lo per part with lo],
+        undecided, as `_moments._kernel_outputs` returns them;
+      "fast", "exact", "lows": the three computations of `_moments._slice_moments_xla`:
+        the fast path (means, var, todo, undecided, 1/n, sums), the exact path on the
+        slices todo marks (means, var), mean_lo (per part).
+
+    Inputs: the parts, the count n where has_n, then the step's own: kept-length arrays
+    (exact: todo, means, var, the fast path's sums of dtypes `sums`; lows: means, var)
+    and scalars (lows: 1/n)."""
     fmt = FORMATS[dtype]
     work = jnp.dtype(dtype)
-
-    def kernel(*p):
-        means, var, undecided = _kernel.slice_moments(
-            _jax_ops, list(p), axis, ddof, fmt, None, exact_only, None, f32
-        )
-        out = [m.astype(work) for m in means] + [var.astype(work)]
-        if lo:
-            lows = [_kernel.mean_lo(_jax_ops, x, axis, m, var, ddof, fmt) for x, m in zip(p, means)]
-            out += [m.astype(work) for m in lows]
-        return (*out, undecided.astype(jnp.int64))
-
-    shape = jax.export.symbolic_shape("rows, cols")
-    args = [jax.ShapeDtypeStruct(shape, work)] * parts
-    with jax.enable_x64(True):
-        return jax.export.export(jax.jit(kernel), platforms=PLATFORMS)(*args)
-
-
-def _symbolic(axis):
-    """(parts' shape, a kept-length array's shape) in one symbolic scope."""
     rows, cols = jax.export.symbolic_shape("rows, cols")
-    return (rows, cols), ((cols,) if axis == 0 else (rows,))
-
-
-@functools.cache
-def _exported_step(step, dtype, parts, axis, ddof, exact_only, f32, has_n, sums):
-    """jax.export.Exported of one XLA computation of `_moments._slice_moments_xla`, for
-    symbolic shapes: "fast" (the fast path: means, var, todo, undecided, 1/n, sums),
-    "exact" (the exact path on the slices todo marks) or "lows" (mean_lo).  Inputs: the
-    parts, the count n where has_n, then the step's own (`sums`: the dtypes of the fast
-    path's sums)."""
-    fmt = FORMATS[dtype]
-    work = jnp.dtype(dtype)
-    whole, kept = _symbolic(axis)
+    kept = (cols,) if axis == 0 else (rows,)
     f64 = jnp.float64
-    specs = [jax.ShapeDtypeStruct(whole, work)] * parts
+    specs = [jax.ShapeDtypeStruct((rows, cols), work)] * parts
     if has_n:
         specs.append(jax.ShapeDtypeStruct((), jnp.int64))
     vectors = {
+        "kernel": [],
         "fast": [],
         "exact": [jnp.bool_] + [f64] * (parts + 1) + [jnp.dtype(d) for d in sums],
         "lows": [f64] * (parts + 1),
@@ -99,23 +83,30 @@ def _exported_step(step, dtype, parts, axis, ddof, exact_only, f32, has_n, sums)
     def computation(*args):
         p, rest = list(args[:parts]), args[parts:]
         count, rest = (rest[0], rest[1:]) if has_n else (None, rest)
+        if step == "kernel":
+            means, var, undecided = _kernel.slice_moments(
+                _jax_ops, p, axis, ddof, fmt, count, exact_only, None, f32
+            )
+            out = [m.astype(work) for m in means] + [var.astype(work)]
+            if lo:
+                out += [
+                    _kernel.mean_lo(_jax_ops, x, axis, m, var, ddof, fmt, count).astype(work)
+                    for x, m in zip(p, means)
+                ]
+            return (*out, undecided.astype(jnp.int64))
         if step == "fast":
             means, var, todo, out = _kernel.fast_moments(
                 _jax_ops, p, axis, ddof, fmt, count, exact_only, None, f32
             )
+            # 1/n for mean_lo ("lows"), from the reciprocals the fast path computes anyway.
             size = _jax_ops.shape(p[0], axis) if count is None else count
             rn = _kernel.counts(_jax_ops, size, 0).rn[0]
-            undecided = jnp.sum(todo.astype(jnp.int64))
-            return (*means, var, todo, undecided, rn, *out)
+            return (*means, var, todo, jnp.sum(todo.astype(jnp.int64)), rn, *out)
         if step == "exact":
-            todo, means, var, out = (
-                rest[0],
-                list(rest[1 : parts + 1]),
-                rest[parts + 1],
-                rest[parts + 2 :],
-            )
+            todo, means, var = rest[0], list(rest[1 : parts + 1]), rest[parts + 1]
+            sums = list(rest[parts + 2 :])
             means, var = _kernel.exact_fix(
-                _jax_ops, p, axis, ddof, fmt, count, todo, means, var, list(out)
+                _jax_ops, p, axis, ddof, fmt, count, todo, means, var, sums
             )
             return (*means, var)
         means, var, rn = rest[:parts], rest[parts], rest[parts + 1]
@@ -128,26 +119,60 @@ def _exported_step(step, dtype, parts, axis, ddof, exact_only, f32, has_n, sums)
         return jax.export.export(jax.jit(computation), platforms=PLATFORMS)(*specs)
 
 
-def step_outputs(step, parts, count, vectors, scalars, axis, ddof, exact_only, sums=()):
-    """One XLA computation of `_moments._slice_moments_xla` as an XlaCallModule op (inside
-    its jit_compile function): `step` on the parts, the count (or None), kept-length
-    `vectors` and `scalars`.  A length or slice count that is 0 at run time takes
-    section 8's results (the fast path: NaN, nothing open; mean_lo 0)."""
-    dtype, k = parts[0].dtype, len(parts)
+def _call(args, exported, kept):
+    """The XlaCallModule op of `exported` on args; kept-length outputs of length kept."""
+    out = _tfxla.call_module(
+        list(args),
+        version=exported.calling_convention_version,
+        module=exported.mlir_module_serialized,
+        Tout=[tf.as_dtype(np.dtype(a.dtype)) for a in exported.out_avals],
+        Sout=[tf.TensorShape([kept] * len(a.shape)) for a in exported.out_avals],
+        platforms=tuple(p.upper() for p in exported.platforms),
+        disabled_checks=tuple(str(c) for c in exported.disabled_safety_checks),
+        function_list=[],
+        has_token_input_output=False,
+    )
+    return tuple(out)
+
+
+def _empty(exported, parts, size, step):
+    """The results for no elements or no slices (section 8), as the kernel gives them:
+    means and variance NaN, mean_lo 0, nothing open (todo False, the sums 0), 1/n 1."""
+    out = []
+    for i, a in enumerate(exported.out_avals):
+        dtype = tf.as_dtype(np.dtype(a.dtype))
+        if not a.shape:  # undecided, or 1/n
+            out.append(tf.constant(1.0 if dtype.is_floating else 0, dtype))
+        elif i <= parts and step != "lows":  # the means and the variance
+            out.append(tf.fill([size], tf.constant(float("nan"), dtype)))
+        else:
+            out.append(tf.zeros([size], dtype))
+    return tuple(out)
+
+
+def outputs(step, parts, axis, ddof, exact_only, count=None, vectors=(), scalars=(), lo=False):
+    """`step` of `_exported` as one XlaCallModule op on the 2-D parts (none of whose
+    static dimensions is 0), the count (or None), kept-length `vectors` and `scalars`."""
+    k = len(parts)
+    sums = tuple(v.dtype.name for v in vectors[k + 2 :]) if step == "exact" else ()
     with _lock:
-        exported = _exported_step(
+        exported = _exported(
             step,
-            dtype.name,
+            parts[0].dtype.name,
             k,
             axis,
             ddof,
+            lo,
             exact_only,
             _kernel.f32_pairs(),
             count is not None,
-            tuple(s.name for s in sums),
+            sums,
         )
     counts = [] if count is None else [count]
     kept = parts[0].shape[1 - axis]
+    # The exact path runs only where a slice is open: never on empty data.
+    if step == "exact" or parts[0].shape.is_fully_defined():
+        return _call([*parts, *counts, *vectors, *scalars], exported, kept)
     dims = tf.shape(parts[0])
     size = dims[1 - axis]
     extra = tf.maximum(1 - dims, 0)
@@ -158,72 +183,4 @@ def step_outputs(step, parts, count, vectors, scalars, axis, ddof, exact_only, s
         out = _call([*padded, *counts, *wide, *scalars], exported, kept)
         return tuple(o if o.shape.rank == 0 else o[:size] for o in out)
 
-    def empty():
-        nan = tf.fill([size], tf.constant(float("nan"), tf.float64))
-        if step == "lows":
-            return (tf.zeros_like(nan),) * k
-        no = tf.zeros([size], tf.bool)
-        rest = [no if s == tf.bool else tf.zeros_like(nan) for s in _fast_sums(exported, k)]
-        one = tf.constant(1.0, tf.float64)
-        return (nan,) * (k + 1) + (no, tf.constant(0, tf.int64), one, *rest)
-
-    if step == "exact":  # runs only where a slice is open: never on empty data
-        return _call([*parts, *counts, *vectors, *scalars], exported, kept)
-    return tf.cond(tf.reduce_all(dims > 0), call, empty)
-
-
-def _fast_sums(exported, parts):
-    """The dtypes of the fast path's sums (its outputs after means, var, todo,
-    undecided and 1/n)."""
-    return [tf.as_dtype(np.dtype(a.dtype)) for a in exported.out_avals[parts + 4 :]]
-
-
-def _call(parts, exported, kept):
-    """The XlaCallModule op of `exported` on the parts; outputs of length kept."""
-    shapes = [tf.TensorShape([kept] * len(a.shape)) for a in exported.out_avals]
-    out = _tfxla.call_module(
-        list(parts),
-        version=exported.calling_convention_version,
-        module=exported.mlir_module_serialized,
-        Tout=[tf.as_dtype(np.dtype(a.dtype)) for a in exported.out_avals],
-        Sout=shapes,
-        platforms=tuple(p.upper() for p in exported.platforms),
-        disabled_checks=tuple(str(c) for c in exported.disabled_safety_checks),
-        function_list=[],
-        has_token_input_output=False,
-    )
-    return tuple(out)
-
-
-def _empty(parts, lo, size):
-    """The results for no elements or no slices (section 8): means and variance NaN,
-    mean_lo 0 (as the kernel gives them), 0 undecided."""
-    k = len(parts)
-    nan = tf.fill([size], tf.constant(float("nan"), parts[0].dtype))
-    lows = (tf.zeros_like(nan),) * k if lo else ()
-    return (nan,) * (k + 1) + lows + (tf.constant(0, tf.int64),)
-
-
-def kernel_outputs(parts, axis, ddof, lo, exact_only):
-    """`_moments._kernel_outputs` of 2-D parts (none of whose static dimensions is 0)
-    inside an XLA computation, as one XlaCallModule op."""
-    dtype = parts[0].dtype
-    with _lock:
-        exported = _exported(
-            dtype.name, len(parts), axis, ddof, lo, exact_only, _kernel.f32_pairs()
-        )
-    kept = parts[0].shape[1 - axis]
-    if parts[0].shape.is_fully_defined():
-        return _call(parts, exported, kept)
-    # XLA refines the module to the shapes it compiles for, in both branches of the
-    # cond: the module gets at least one row and column (a zero-padded dimension,
-    # whose results the other branch replaces).
-    dims = tf.shape(parts[0])
-    extra = tf.maximum(1 - dims, 0)
-    size = dims[1 - axis]
-
-    def call():
-        padded = [tf.pad(p, tf.stack([[0, extra[0]], [0, extra[1]]])) for p in parts]
-        return tuple(o if o.shape.rank == 0 else o[:size] for o in _call(padded, exported, kept))
-
-    return tf.cond(tf.reduce_all(dims > 0), call, lambda: _empty(parts, lo, size))
+    return tf.cond(tf.reduce_all(dims > 0), call, lambda: _empty(exported, k, size, step))
