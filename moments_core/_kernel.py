@@ -780,6 +780,21 @@ def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=No
     return means, var, undecided
 
 
+def kernel_outputs(ops, parts, axis, ddof, fmt, n=None, lo=False, exact_only=False, f32=False):
+    """(mean per part, var, [mean_lo per part], undecided): `slice_moments`, and with lo
+    `mean_lo`, in the parts' dtype; the whole kernel as the TensorFlow wrapper and its
+    XlaCallModule export (tf_stable_moments/_xla_module.py) return it."""
+    dtype = parts[0].dtype.name
+    means, var, undecided = slice_moments(ops, parts, axis, ddof, fmt, n, exact_only, None, f32)
+    out = [ops.cast(m, dtype) for m in means] + [ops.cast(var, dtype)]
+    if lo:  # mean_lo_round materializes them
+        out += [
+            ops.cast(mean_lo(ops, p, axis, m, var, ddof, fmt, n), dtype)
+            for p, m in zip(parts, means)
+        ]
+    return (*out, undecided)
+
+
 def _one_buffer(ops, means, var, todo):
     """(means, var, todo) computed by one kernel into buffers of their own
     (`ops.materialize_all`), the same values.  They share the per-slice chain of the

@@ -104,17 +104,10 @@ def _exact_only():
 
 def _kernel_outputs(ops, parts, axis, ddof, n=None, lo=False, exact_only=False):
     """(mean per part, var, [mean_lo], undecided) in the parts' dtype: the kernel itself."""
-    dtype = parts[0].dtype
-    fmt = FORMATS[dtype.name]
-    f32 = _kernel.f32_pairs()
-    means, var, undecided = _kernel.slice_moments(
-        ops, parts, axis, ddof, fmt, n, exact_only, None, f32
+    fmt = FORMATS[parts[0].dtype.name]
+    return _kernel.kernel_outputs(
+        ops, list(parts), axis, ddof, fmt, n, lo, exact_only, _kernel.f32_pairs()
     )
-    out = [tf.cast(m, dtype) for m in means] + [tf.cast(var, dtype)]
-    if lo:
-        lows = [_kernel.mean_lo(ops, p, axis, m, var, ddof, fmt, n) for p, m in zip(parts, means)]
-        out += [tf.cast(m, dtype) for m in lows]  # mean_lo_round materializes them
-    return tuple(out) + (undecided,)
 
 
 # Compiled functions are kept per TensorFlow context (a reset context starts afresh) and

@@ -84,16 +84,7 @@ def _exported(step, dtype, parts, axis, ddof, lo, exact_only, f32, has_n, sums):
         p, rest = list(args[:parts]), args[parts:]
         count, rest = (rest[0], rest[1:]) if has_n else (None, rest)
         if step == "kernel":
-            means, var, undecided = _kernel.slice_moments(
-                _jax_ops, p, axis, ddof, fmt, count, exact_only, None, f32
-            )
-            out = [m.astype(work) for m in means] + [var.astype(work)]
-            if lo:
-                out += [
-                    _kernel.mean_lo(_jax_ops, x, axis, m, var, ddof, fmt, count).astype(work)
-                    for x, m in zip(p, means)
-                ]
-            return (*out, undecided.astype(jnp.int64))
+            return _kernel.kernel_outputs(_jax_ops, p, axis, ddof, fmt, count, lo, exact_only, f32)
         if step == "fast":
             means, var, todo, out = _kernel.fast_moments(
                 _jax_ops, p, axis, ddof, fmt, count, exact_only, None, f32
