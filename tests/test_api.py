@@ -1,5 +1,6 @@
 """The public API: drop-in shapes and dtypes, the dtype policy, bad input, special values."""
 
+import glob
 import math
 import os
 import re
@@ -573,6 +574,60 @@ def test_the_xla_call_module_of_unknown_shape_gives_the_oracle_bits(shape, monke
     want_mean, want_var = datasets.oracle(x, (0,))
     np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
     np.testing.assert_array_equal(bits(var.numpy()), bits(want_var))
+
+
+def test_the_exported_modules_are_cached_on_disk_and_read_back(tmp_path, monkeypatch):
+    """A variant's module is stored in the module cache (TF_STABLE_MOMENTS_CACHE), and a
+    later process reads it back instead of exporting the kernel again, with the oracle's
+    bits; a damaged file is exported again; the folder is named by the kernel's sources,
+    so that a changed kernel never loads an older module."""
+    import shutil
+
+    from tf_stable_moments import _xla_module
+
+    monkeypatch.setenv("TF_STABLE_MOMENTS_CACHE", str(tmp_path / "cache"))
+    variant = ("kernel", "float32", 1, 0, 0, False, False, False, False, ())
+    path = _xla_module._cache_path(variant)
+    assert path.startswith(str(tmp_path / "cache")) and not os.path.exists(path)
+    exported = _xla_module._exported.__wrapped__(*variant)
+    assert os.path.exists(path)
+
+    def no_export(*args):
+        raise AssertionError(f"exported again: {args}")
+
+    monkeypatch.setattr(_xla_module, "_export", no_export)
+    loaded = _xla_module._exported.__wrapped__(*variant)
+    assert loaded.mlir_module_serialized == exported.mlir_module_serialized
+    x = (1e6 + np.random.default_rng(11).standard_normal((300, 5))).astype(np.float32)
+    x[:, 0] = np.float32(1e6)  # exact sums
+    x[:150, 0] += np.float32(0.0625)
+    fn = tf.function(lambda v: _xla_module._call([v], loaded, 5), jit_compile=True)
+    mean, var, _ = fn(tf.constant(x))
+    want_mean, want_var = datasets.oracle(x, (0,))
+    np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
+    np.testing.assert_array_equal(bits(var.numpy()), bits(want_var))
+
+    with open(path, "wb") as f:
+        f.write(b"not a module")
+    monkeypatch.setattr(_xla_module, "_export", lambda *args: exported)
+    assert _xla_module._exported.__wrapped__(*variant) is exported
+    assert _xla_module._load(path).mlir_module_serialized == exported.mlir_module_serialized
+
+    copy = tmp_path / "packages"
+    for pattern in _xla_module._SOURCES:
+        for source in glob.glob(os.path.join(_xla_module._PACKAGES, pattern)):
+            target = copy / os.path.relpath(source, _xla_module._PACKAGES)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, target)
+    monkeypatch.setattr(_xla_module, "_PACKAGES", str(copy))
+    same = _xla_module._sources_digest.__wrapped__()
+    assert same == _xla_module._sources_digest()
+    with open(copy / "moments_core" / "_exact.py", "a") as f:
+        f.write("\n")
+    changed = _xla_module._sources_digest.__wrapped__()
+    assert changed != same
+    monkeypatch.setattr(_xla_module, "_sources_digest", lambda: changed)
+    assert os.path.dirname(_xla_module._cache_path(variant)) != os.path.dirname(path)
 
 
 def _output_formula_size(shape=(8, 8, 8, 128)):

@@ -20,6 +20,11 @@ correctly rounded ones, the bits of every other implementation.  It is lowered f
 every platform XLA serves (the kernel's operations lower alike on all of them), so
 the op compiles wherever TensorFlow places the computation.
 
+The exported modules are kept in the per-user cache of the native libraries
+(``TF_STABLE_MOMENTS_CACHE``), one folder per text of the kernel's sources and JAX
+version: a later process reads a variant back (about 1 ms) instead of tracing and
+lowering the kernel again (0.4-0.8 s a variant on this 2-core machine).
+
 Symbolic dimensions are at least 1 (jax.export's rule), and XLA refines the module to
 the shapes it compiles for in both branches of a tf.cond: where a dimension is unknown
 while tracing, the module gets its inputs padded to at least one row and column, and
@@ -28,6 +33,10 @@ slices is 0 at run time.
 """
 
 import functools
+import glob
+import hashlib
+import os
+import tempfile
 import threading
 
 import jax
@@ -39,6 +48,7 @@ from tensorflow.compiler.tf2xla.python import xla as _tfxla
 from jax_kernel import _ops as _jax_ops
 from moments_core import _kernel
 from moments_core._formats import FORMATS
+from moments_core.native import build as _build
 
 __all__ = ["outputs"]
 
@@ -47,9 +57,75 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 _lock = threading.Lock()
 
+# The kernel's sources: an exported module is a function of these, the variant and the
+# JAX that exported it (`_cache_path`).
+_PACKAGES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SOURCES = ("moments_core/*.py", "jax_kernel/_ops.py", "tf_stable_moments/_xla_module.py")
+
 
 @functools.cache
-def _exported(step, dtype, parts, axis, ddof, lo, exact_only, f32, has_n, sums):
+def _sources_digest():
+    """SHA-256 of the kernel's source files and of the JAX versions that export it."""
+    digest = hashlib.sha256(f"jax {jax.__version__} {jax.lib.__version__}".encode())
+    for pattern in _SOURCES:
+        for path in sorted(glob.glob(os.path.join(_PACKAGES, pattern))):
+            digest.update(os.path.relpath(path, _PACKAGES).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _cache_path(variant):
+    """The module cache's file for `variant` (`_exported`'s arguments): the per-user
+    directory of the native libraries (`TF_STABLE_MOMENTS_CACHE`), one folder per
+    source text and JAX version, so that a changed kernel never loads an older module."""
+    folder = _build.cache_dir(f"modules-{_sources_digest()[:16]}")
+    name = hashlib.sha256(repr((variant, PLATFORMS)).encode()).hexdigest()[:24]
+    return os.path.join(folder, f"{name}.jax_exported")
+
+
+def _load(path):
+    """The Exported stored at path, or None (missing, unreadable, or not one)."""
+    try:
+        with open(path, "rb") as f:
+            exported = jax.export.deserialize(bytearray(f.read()))
+    except Exception:  # noqa: BLE001 (any damage: export again)
+        return None
+    return exported if tuple(exported.platforms) == PLATFORMS else None
+
+
+def _store(path, exported):
+    """Write the serialized module atomically (a temporary file renamed into place, so a
+    reader sees a whole file or none); a cache that cannot be written is skipped."""
+    data = exported.serialize()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+@functools.cache
+def _exported(*variant):
+    """`_export` of the variant, read from the module cache when a process before this
+    one exported it (tracing and lowering the kernel cost 0.4-0.8 s a variant here,
+    reading it back about 1 ms), else exported and stored there."""
+    path = _cache_path(variant)
+    exported = _load(path)
+    if exported is None:
+        exported = _export(*variant)
+        _store(path, exported)
+    return exported
+
+
+def _export(step, dtype, parts, axis, ddof, lo, exact_only, f32, has_n, sums):
     """jax.export.Exported of one computation of the kernel on `parts` arrays [rows, cols]
     of `dtype` (a name), for symbolic rows and cols:
 
