@@ -180,16 +180,15 @@ def _kernel_outputs(x, axes, ddof, lo, exact_only, native, f32=False):
     count (int32), and with lo mean_lo per part, all flat over the kept axes."""
     if native:
         means, var, count, lows = _native_moments(x, axes, ddof, lo)
-    else:
-        parts, axis, fmt, work = _kernel_parts(x, axes)
+    else:  # the step of TensorFlow's XlaCallModule (tf_stable_moments/_xla_module.py)
+        parts, axis, fmt, _ = _kernel_parts(x, axes)
         with jax.enable_x64(True):
-            means, var, count = _kernel.slice_moments(
-                _ops, parts, axis, ddof, fmt, None, exact_only, None, f32
+            *outs, count = _kernel.kernel_outputs(
+                _ops, parts, axis, ddof, fmt, None, lo, exact_only, f32
             )
-            means = [m.astype(work) for m in means]
-            var = var.astype(work)
             count = count.astype(np.int32)
-        lows = _mean_lo_parts(x, axes, ddof, means, var) if lo else []
+        k = len(parts)
+        means, var, lows = outs[:k], outs[k], outs[k + 1 :]
     return [*means, var, count, *(lows or [])]
 
 

@@ -782,8 +782,9 @@ def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=No
 
 def kernel_outputs(ops, parts, axis, ddof, fmt, n=None, lo=False, exact_only=False, f32=False):
     """(mean per part, var, [mean_lo per part], undecided): `slice_moments`, and with lo
-    `mean_lo`, in the parts' dtype; the whole kernel as the TensorFlow wrapper and its
-    XlaCallModule export (tf_stable_moments/_xla_module.py) return it."""
+    `mean_lo`, in the parts' dtype; the whole kernel as the TensorFlow wrapper, its
+    XlaCallModule export (tf_stable_moments/_xla_module.py) and JAX's XLA kernel
+    (jax_kernel/_moments.py) return it."""
     dtype = parts[0].dtype.name
     means, var, undecided = slice_moments(ops, parts, axis, ddof, fmt, n, exact_only, None, f32)
     out = [ops.cast(m, dtype) for m in means] + [ops.cast(var, dtype)]

@@ -130,7 +130,7 @@ def _export(step, dtype, parts, axis, ddof, lo, exact_only, f32, has_n, sums):
     of `dtype` (a name), for symbolic rows and cols:
 
       "kernel": the whole kernel: means per part, var, [mean_lo per part with lo],
-        undecided, as `_moments._kernel_outputs` returns them;
+        undecided, as `_kernel.kernel_outputs` returns them (JAX's XLA kernel too);
       "fast", "exact", "lows": the three computations of `_moments._slice_moments_xla`:
         the fast path (means, var, todo, undecided, 1/n, sums), the exact path on the
         slices todo marks (means, var), mean_lo (per part).
