@@ -10,6 +10,7 @@ contiguous block d of rows), the slices the merged fast path left open
 one device holding everything.
 """
 
+import functools
 import os
 import sys
 
@@ -73,11 +74,21 @@ def cases():
 
 
 def run(x, mask, devices):
+    ms = np.ones(x.shape, bool) if mask is None else mask
+    fn = _program(devices, mask is not None, jnp.dtype(x.dtype).name)
+    return [np.asarray(v) for v in fn(jnp.asarray(x), jnp.asarray(ms))]
+
+
+@functools.cache
+def _program(devices, masked, dtype):
+    """The jitted shard_map of the union's statistics on `devices` devices: one per
+    (devices, selection or not, dtype), so cases that differ only in their data (the
+    N(loc, 1) cases of one device count) run one compiled program."""
     mesh = Mesh(np.array(jax.devices()[:devices]), ("i",))
-    fmt = FORMATS[jnp.dtype(x.dtype).name]
+    fmt = FORMATS[dtype]
 
     def local(xs, ms):
-        m = None if mask is None else ms
+        m = ms if masked else None
         mean, lo, var = _union.union_stats(xs, m, (0,), "i", None)
         with jax.enable_x64(True):
             laid, axis = _m._layout(xs, (0,))
@@ -90,13 +101,11 @@ def run(x, mask, devices):
             todo = _kernel.merge_fast(_ops, laid, axis, fmt, shift, all_sum, devices, count, m)[2]
         return mean[None], lo[None], var[None], todo[None]
 
-    ms = np.ones(x.shape, bool) if mask is None else mask
-    fn = jax.jit(
+    return jax.jit(
         jax.shard_map(
             local, mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P("i"), check_vma=False
         )
     )
-    return [np.asarray(v) for v in fn(jnp.asarray(x), jnp.asarray(ms))]
 
 
 def public_api(out):
