@@ -94,13 +94,13 @@ def _native_moments(x, axes, ddof, lo=False):
     """(means, var, undecided, lows) from the native kernel: means one array per real
     part (float16/bfloat16 data computed in float32 with their own format, cast back
     exactly), all flat over the kept axes in row-major order; undecided int32; lows
-    (with lo, else None) mean_lo per part from the native mean_lo call."""
+    (with lo, else empty) mean_lo per part from the native mean_lo call."""
     data, fmt, work = native_data(x, axes)
     mean, var, count = _native.moments_call(data, ddof, fmt)
     with jax.enable_x64(True):
         count = count.astype(np.int32)
     means = [mean[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
-    lows = None
+    lows = []
     if lo:
         low = _native.mean_lo_call(data, mean, var, ddof, fmt)
         lows = [low[..., j].reshape(-1).astype(work) for j in range(data.shape[-1])]
@@ -189,7 +189,7 @@ def _kernel_outputs(x, axes, ddof, lo, exact_only, native, f32=False):
             count = count.astype(np.int32)
         k = len(parts)
         means, var, lows = outs[:k], outs[k], outs[k + 1 :]
-    return [*means, var, count, *(lows or [])]
+    return [*means, var, count, *lows]
 
 
 # The kernel as a primitive whose lowering depends on the platform it is lowered for: the
