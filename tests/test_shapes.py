@@ -139,8 +139,10 @@ def test_eager_calls_past_the_exact_shape_budget_are_bucketed_with_the_same_bits
     bucketed = [bits(v.numpy()) for v in tf_stable_moments.moments(x, [axis], ddof=ddof)]
     for b, e in zip(bucketed, exact, strict=True):
         np.testing.assert_array_equal(b, e)
-    # the budget-less call buckets both axes in 8 steps per octave (21 -> 22, 37 -> 40)
-    assert compiled_shapes == ([(21, 37), (22, 40)] if axis == 1 else [(37, 21), (40, 22)])
+    # the budget-less call buckets both axes in 8 steps per octave (37 -> 40; 21 -> 22,
+    # raised to the floor of slices of 40 elements, 1024)
+    assert tf_moments._kept_floor(40) == 1024
+    assert compiled_shapes == ([(21, 37), (1024, 40)] if axis == 1 else [(37, 21), (40, 1024)])
 
 
 def test_empty_slices_with_an_unknown_length_give_nan(compiled_shapes):
@@ -153,19 +155,32 @@ def test_empty_slices_with_an_unknown_length_give_nan(compiled_shapes):
     assert compiled_shapes == [(1, 3)]
 
 
-def test_an_unknown_kept_length_is_bucketed_in_eight_steps_per_octave(compiled_shapes):
+@pytest.mark.parametrize("n", [1, 2, 5, 37, 128, 129, 1000, 4096, 65536, 100000])
+def test_the_kept_floor_holds_about_floor_elements(n):
+    floor = tf_moments._kept_floor(n)
+    assert floor & (floor - 1) == 0  # a power of two: a bucket of every octave step
+    if floor < tf_moments.FLOOR_SLICES:
+        assert floor * n >= tf_moments.FLOOR_ELEMENTS or floor == 1
+    assert floor == 1 or floor * n < 2 * tf_moments.FLOOR_ELEMENTS
+    assert tf_moments._kept_floor(tf.constant(n, tf.int64)) == 1  # a length unknown: none
+
+
+def test_an_unknown_kept_length_is_bucketed_above_a_floor_of_slices(compiled_shapes):
+    """Small batches share the floor's one compilation; above it, 8 steps per octave."""
+
     @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32)])
     def f(x):
         return tf_stable_moments.moments(x, [1])
 
-    for rows in (17, 18, 19, 100):
+    for rows in (17, 18, 19, 100, 5000):
         x = np.random.default_rng(rows).normal(7.0, 1e-3, (rows, 5)).astype(np.float32)
         mean, var = f(x)
         want_mean, want_var = datasets.oracle(x, (1,))
         np.testing.assert_array_equal(bits(var.numpy()), bits(want_var))
         np.testing.assert_array_equal(bits(mean.numpy()), bits(want_mean))
         assert mean.shape == (rows,)
-    assert compiled_shapes == [(18, 5), (18, 5), (20, 5), (104, 5)]
+    assert tf_moments._kept_floor(5) == 4096
+    assert compiled_shapes == [(4096, 5)] * 4 + [(5120, 5)]
 
 
 @pytest.mark.parametrize(
