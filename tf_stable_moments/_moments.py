@@ -238,10 +238,11 @@ FLOOR_SLICES = 4096
 
 def _kept_floor(n):
     """The fewest slices a bucketed kept axis of slices of length n (an int, or a
-    tensor: no floor) runs with."""
+    tensor: no floor) runs with: FLOOR_ELEMENTS / n rounded up to a power of two (the
+    one-step bucket), at most FLOOR_SLICES."""
     if tf.is_tensor(n):
         return 1
-    return min(FLOOR_SLICES, 1 << max(-(-FLOOR_ELEMENTS // max(n, 1)) - 1, 0).bit_length())
+    return min(FLOOR_SLICES, _bucket(-(-FLOOR_ELEMENTS // max(n, 1)), octave_steps=1))
 
 
 def _bucket(m, octave_steps=8):
