@@ -162,6 +162,35 @@ def test_tf_moments_state_runs_the_one_pass_from_its_size_and_gives_the_same_bit
         np.testing.assert_array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32))
 
 
+def test_one_pass_counts_whole_blocks_of_special_values():
+    """The first pass counts NaN, +inf and -inf per block of 256 inputs in 9-bit fields of
+    one int32: blocks of one special value only (each field's largest count), blocks of
+    several, and a slice through the branch below the pass give the digits' state (JAX
+    and TensorFlow inside XLA)."""
+    n = 3 * 256 + 40
+    x = np.ones([n, 5], np.float32)
+    x[:, 0], x[:, 1], x[:, 2] = np.nan, np.inf, -np.inf
+    x[:256, 3], x[256:512, 3], x[512:, 3] = -np.inf, np.nan, np.inf
+    x[::3, 4], x[1::3, 4] = -np.inf, np.nan
+    x[5, 4] = 2.0**-100  # below the pass's range: the branch runs too
+    want = np.asarray(jax_state._state_values(jnp.asarray(x), None, (0,), False))
+    got = jax_state._state_values(jnp.asarray(x), None, (0,), True)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg="JAX one pass")
+    np.testing.assert_array_equal(_tf_one_pass(tf.constant(x), None, 0), want, err_msg="TF")
+
+
+def test_one_pass_buffers_stay_near_the_size_of_its_input():
+    """The branch below the pass takes a chunk of every slice at a time, so the compiled
+    one pass needs temporary buffers of about its input's size, whatever that size (the
+    digits of every element at once were 27 times the input: 432 MB for float32
+    [65536, 64], allocated on every call whether the branch ran or not)."""
+    for shape, axes in (((65536, 64), (0,)), ((64, 32768), (1,))):
+        spec = jax.ShapeDtypeStruct(shape, np.float32)
+        compiled = jax_state._state_values.lower(spec, None, axes, True).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp <= 2 * 4 * np.prod(shape), (shape, temp)
+
+
 def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
     """`_wide_mean` (StableNormalization.adapt's second part of the mean) rounds a float32
     state's exact sums to float64: the bits of the state of the data widened to float64
