@@ -264,6 +264,20 @@ def _xla_finish(values, dtype, ddof):
     return mean.reshape(shape), var
 
 
+def _wide_var(x, where, axes, ddof):
+    """The variance of x's data over axes rounded once to float64 (float64 [*kept]) from
+    the exact state: the variance of the data widened to float64 (inputs below the
+    format's normal range count as 0), for `std`."""
+    state = moments_state(x, axes, where=where)
+    layout = _layout(state.dtype)
+    with jax.enable_x64(True):
+        digits = state.values.reshape(-1, layout.size).astype(np.int64)
+        digits = _state.carry(_ops, digits, layout.lengths, 31)
+        ddof = jnp.asarray(ddof, np.int64)
+        _, var = _state.values(_ops, digits, layout, ddof, FORMATS["float64"])
+    return var.reshape(state.values.shape[:-1])
+
+
 def _native_finish(values, dtype, ddof):
     """state_moments from the native kernel (the CPU's FFI call): the same bits."""
     layout = _layout(dtype)

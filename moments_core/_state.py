@@ -211,6 +211,15 @@ RANGE_BITS = 42  # R: the pass holds the inputs within 2**R of the largest of th
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+# std (reduce_std, jnp.std) of inputs of at most 24 bits with at least this many elements
+# per slice takes the variance rounded to float64 from the exact state (the one pass,
+# then `values(target=float64)`), not from the kernel on the data widened to float64,
+# whose fast path decides almost no slice at 53 bits: the same bits, 3-11x faster for
+# float32 [64, 32, 32, 64] over axes 0-2 (docs section 12).  Below it the state's
+# finish (a few ms) costs more than the kernel's exact path.
+STD_FROM_STATE = 2**14
+
+
 def one_pass_applies(fmt):
     """Whether the inputs of `fmt` take `from_one_pass` (a float32 holds them exactly)."""
     return fmt.precision <= 24

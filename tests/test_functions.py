@@ -24,6 +24,7 @@ from modes import bits, native, xla
 
 import jax_kernel
 import tf_stable_moments
+from moments_core import _state
 from tf_stable_moments import _keras_moments
 from tf_stable_moments._oracle import exact_value, round_rational
 
@@ -145,6 +146,53 @@ def test_reduce_variance_and_std_are_exact_in_every_mode_and_equal_jax():
     np.testing.assert_array_equal(bits(jax_kernel.mean(x, 0)), bits(mean_ref))
     # tf.math itself is off by many ulps on these data: the test can tell.
     assert np.any(bits(tf.math.reduce_variance(x, 0)) != bits(var_ref))
+
+
+def _std_oracle(column, dtype, ddof):
+    """sqrt of the exact variance rounded to float64, then to dtype: std's contract."""
+    values = np.asarray(column)
+    if not np.all(np.isfinite(values.astype(np.float64))) or len(values) - ddof <= 0:
+        return dtype(np.nan)
+    var64 = round_rational(exact_value(values, dtype, ddof)[1], np.float64)
+    return round_rational(Fraction(float(np.sqrt(var64))), dtype)
+
+
+def test_std_of_long_slices_rounds_the_exact_states_variance():
+    """From `STD_FROM_STATE` elements per slice std takes its float64 variance from the
+    exact state (moments_state, rounded once to float64) instead of the kernel on the
+    data widened to float64: the oracle's bits (sqrt of the float64-rounded exact
+    variance, rounded once more), TF eager and jit_compile, JAX jit with and without a
+    mask, ddof 0 and 1, float32 and float16, NaN and Inf in their own slices."""
+    n = _state.STD_FROM_STATE + 3
+    for dtype in (np.float32, np.float16):
+        x = np.stack(
+            [
+                RNG.normal(1e4, 1, n),
+                RNG.normal(0, 1, n),
+                RNG.normal(3, 1e-2, n),
+                RNG.normal(0, 1, n),
+            ],
+            1,
+        ).astype(dtype)
+        x[5, 1], x[9, 3] = np.nan, -np.inf
+        mask = RNG.random(x.shape) < 0.6
+
+        def both(t, m=None):  # ddof 0 and 1 in one compilation
+            return [jax_kernel.std(t, 0, ddof=d, where=m) for d in (0, 1)]
+
+        assert "tf_stable_moments_state" in str(jax.make_jaxpr(both)(x)), "not the state"
+        got = {"jax_jit": jax.jit(both)(x), "jax_where": jax.jit(both)(x, mask)}
+        got["tf_eager"] = [tf_stable_moments.reduce_std(x, 0)]  # reduce_std has no ddof
+        got["tf_jit_compile"] = [
+            tf.function(lambda t: tf_stable_moments.reduce_std(t, 0), jit_compile=True)(
+                tf.constant(x)
+            )
+        ]
+        for mode, values in got.items():
+            for ddof, value in enumerate(values):
+                selected = mask.T if mode == "jax_where" else np.ones(x.T.shape, bool)
+                want = [_std_oracle(c[m], dtype, ddof) for c, m in zip(x.T, selected)]
+                np.testing.assert_array_equal(bits(value), bits(np.array(want)), err_msg=mode)
 
 
 def _masked_data():

@@ -192,7 +192,7 @@ def test_one_pass_buffers_stay_near_the_size_of_its_input():
 
 
 def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
-    """`_wide_mean` (StableNormalization.adapt's second part of the mean) rounds a float32
+    """`_wide_moments` (StableNormalization.adapt's second part of the mean) rounds a float32
     state's exact sums to float64: the bits of the state of the data widened to float64
     (its own digits of every element) and of the oracle, NaN and infinities as there."""
     from fractions import Fraction
@@ -202,7 +202,7 @@ def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
     x[:, 1] = rng.normal(0, 1e-3, 257)
     x[3, 2], x[4, 3], x[5, 3] = np.nan, np.inf, -np.inf
     x[:, 4] = 2.0**-120  # small, normal in float32
-    got = tf_state._wide_mean(tf_stable_moments.moments_state(x, [0])).numpy()
+    got = tf_state._wide_moments(tf_stable_moments.moments_state(x, [0]))[0].numpy()
     wide = tf_stable_moments.moments_state(x.astype(np.float64), [0])
     want = tf_stable_moments.state_moments(wide)[0].numpy()
     np.testing.assert_array_equal(got.view(np.uint64), want.view(np.uint64))

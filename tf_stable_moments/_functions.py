@@ -24,9 +24,11 @@ sum to 0 gives mean 0 and variance 0 (as tf.nn.weighted_moments' div_no_nan); a
 negative or non-finite weight makes its slice NaN.
 """
 
+import math
+
 import tensorflow as tf
 
-from moments_core import _kernel
+from moments_core import _kernel, _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes
 from tf_stable_moments import _moments, _ops
@@ -90,7 +92,17 @@ def _wide(x, fmt):
 def _std_value(x, axes, ddof):
     work = tf.float32 if x.dtype == tf.complex64 else x.dtype.real_dtype
     fmt = FORMATS[work.name]
-    _, v = _moments.moments(_wide(x, fmt), list(axes), ddof=ddof)
+    dims = [x.shape[a] for a in axes]  # None: not known while tracing
+    if (
+        _state.one_pass_applies(fmt)
+        and None not in dims
+        and math.prod(dims) >= _state.STD_FROM_STATE
+    ):
+        from tf_stable_moments._state import _wide_moments, moments_state
+
+        v = _wide_moments(moments_state(x, list(axes)), ddof)[1]
+    else:
+        _, v = _moments.moments(_wide(x, fmt), list(axes), ddof=ddof)
     s = tf.sqrt(v)
     s = tf.where(tf.math.is_finite(s), _kernel.round_to(_ops.XLA, s, fmt), s)
     return tf.cast(s, work)

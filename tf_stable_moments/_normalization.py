@@ -260,7 +260,12 @@ class StableNormalization(keras.layers.Normalization):
                     )
         import tensorflow as tf
 
-        from tf_stable_moments._state import _wide_mean, merge_states, moments_state, state_moments
+        from tf_stable_moments._state import (
+            _wide_moments,
+            merge_states,
+            moments_state,
+            state_moments,
+        )
 
         work = tf.as_dtype(self._work_dtype)
         state = None
@@ -271,7 +276,7 @@ class StableNormalization(keras.layers.Normalization):
             state = current if state is None else merge_states(state, current)
             count += math.prod(x.shape[d] for d in self._reduce_axis)
         mean, variance = (t.numpy() for t in state_moments(state))
-        wide_mean = _wide_mean(state).numpy()
+        wide_mean = _wide_moments(state)[0].numpy()
         self.adapt_mean.assign(mean)
         self.adapt_variance.assign(variance)
         self.count.assign(count)

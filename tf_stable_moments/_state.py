@@ -357,22 +357,25 @@ def _native_state_moments(op, state, layout, ddof):
     return mean, tf.cast(var, work)
 
 
-def _wide_mean(state):
-    """The mean of the data of a state rounded once to float64 (float64 [*kept_dims]):
-    the sums are exact, so a state of float32 data gives the mean of the data widened
-    to float64 (inputs below float32's normal range count as 0, as TensorFlow's CPU
-    kernels read them) without a second state of the widened data."""
-    _check_state(state, "_wide_mean", "state")
+def _wide_moments(state, ddof=0):
+    """(mean, variance) of the data of a state, each rounded once to float64 (float64
+    [*kept_dims]): the sums are exact, so a state of float32 data gives the moments of
+    the data widened to float64 (inputs below float32's normal range count as 0, as
+    TensorFlow's CPU kernels read them) without a second state of the widened data
+    (StableNormalization.adapt's second part of the mean; reduce_std's variance)."""
+    _check_state(state, "_wide_moments", "state")
     layout = _layout(state.dtype)
 
-    def fn(values):
+    def fn(values, ddof):
         digits = _state.carry(_OPS, tf.cast(values, tf.int64), layout.lengths, 31)
-        zero = tf.constant(0, tf.int64)
-        return _state.values(_OPS, digits, layout, zero, FORMATS["float64"])[0][0]
+        means, var = _state.values(_OPS, digits, layout, ddof, FORMATS["float64"])
+        return means[0], var
 
     flat = tf.reshape(state.values, [-1, layout.size])
-    mean = _run(("wide_mean", state.dtype), fn, [flat])
-    return tf.reshape(mean, tf.shape(state.values)[:-1])
+    ddof = tf.constant(check_ddof(ddof, "_wide_moments"), tf.int64)
+    mean, var = _run(("wide_moments", state.dtype), fn, [flat, ddof])
+    shape = tf.shape(state.values)[:-1]
+    return tf.reshape(mean, shape), tf.reshape(var, shape)
 
 
 def _not_a_stream(batches, fn):
