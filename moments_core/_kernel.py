@@ -29,6 +29,7 @@ BATCH_ELEMENTS = 2**16  # elements per iteration of the exact path, at most BATC
 BLOCK = 256  # terms per block of the fast path's float64 sums (`block_sums`)
 SUB = 16  # a block is reduced as SUB x SUB terms (BLOCK = SUB**2): see `_block_stage`
 SUMS_BATCH = 64  # slices per iteration when only the sums need exact rounding
+ONE_PASS_ROWS = 2**17  # slice length from which the exact path sums by the one pass
 SPLIT_MASK = ~((1 << 27) - 1)
 SPLIT_HALF = 1 << 26
 
@@ -988,6 +989,13 @@ def _batch(size):
     return max(1, min(BATCH, BATCH_ELEMENTS // max(size, 1)))
 
 
+def _one_pass_rows(size, fmt):
+    """Whether the exact path sums slices of `size` elements of `fmt` by the state's one
+    pass (`_state.digit_sums`) instead of the digits of every element: long slices of at
+    most 24-bit values."""
+    return isinstance(size, int) and size >= ONE_PASS_ROWS and fmt.precision <= 24
+
+
 def _exact_loop(
     ops, xs, axis, c, ddof, fmt, n, todo, means, var, mask=None, sums=None, from_sums=None
 ):
@@ -1003,11 +1011,15 @@ def _exact_loop(
         valid = ops.expand_dims(ops.iota(size, "int64") < ops.cast(n, "int64"), 0)
     count = ops.cast(c.n, "int64")
     weights = _weights(mask)
+    one_pass = weights is None and _one_pass_rows(size, fmt)
     batch = _batch(size)
 
     def compute(idxs):
         idx = idxs[0]
         rows = [flush(ops, _rows(ops, x, idx, axis), fmt) for x in xs]
+        if one_pass:  # gathered once (a column of an axis-0 layout: a cache line per
+            # element), not in each of the passes that XLA would fuse the gather into
+            rows = [ops.materialize(r) for r in rows]
         w = ok = None
         if weights is not None:
             w = _rows(ops, weights, idx, axis)
@@ -1018,7 +1030,12 @@ def _exact_loop(
         n_rows = ops.zeros([batch], "int64") + k
         clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
         l1, l2 = _exact.lengths(fmt, aligned=True)
-        s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
+        if one_pass:  # long slices: exact float64 block sums, not every element's digits
+            from moments_core import _state  # (it imports this module)
+
+            s1s, s2 = _state.digit_sums(ops, clean, fmt, l1, l2)
+        else:
+            s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
         # Blocks of rows to stack: per part the S1 of the means and the S1' that goes
         # with S2 (for the elements S1' = S1: `finish` gets None and carries S1 once),
         # S2 and the counts.

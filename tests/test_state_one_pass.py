@@ -26,8 +26,9 @@ from modes import bits
 import jax_kernel
 import tf_stable_moments
 from jax_kernel import _native as jax_native
+from jax_kernel import _ops as jax_ops
 from jax_kernel import _state as jax_state
-from moments_core import _state
+from moments_core import _kernel, _state
 from moments_core._formats import FORMATS
 from tf_stable_moments import _moments as tf_moments
 from tf_stable_moments import _native as tf_native
@@ -189,6 +190,41 @@ def test_one_pass_buffers_stay_near_the_size_of_its_input():
         compiled = jax_state._state_values.lower(spec, None, axes, True).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         assert temp <= 2 * 4 * np.prod(shape), (shape, temp)
+
+
+@pytest.mark.parametrize("dtype,axis", [("float32", 0), ("complex64", 1)])
+def test_the_exact_path_sums_long_slices_by_the_one_pass(dtype, axis):
+    """Slices of `_kernel.ONE_PASS_ROWS` elements or more take the kernel's exact path
+    through `_state.digit_sums` (the one pass over the gathered slice, cut into parts
+    and merged) instead of every element's digits: every slice sent there (the exact-only
+    switch) has the oracle's bits, for both layouts, a range beyond the pass's 2**42 (its
+    branch), NaN and Inf, and a complex input."""
+    n = _kernel.ONE_PASS_ROWS + 5
+    assert _kernel._one_pass_rows(n, FORMATS["float32"])
+    rng = np.random.default_rng(23)
+    x = np.stack([rng.normal(1e3, 1, n), rng.normal(0, 1, n), rng.normal(-2, 3, n)], 1)
+    if dtype == "complex64":
+        x = x + 1j * np.stack([rng.normal(0, 2, n), rng.normal(5, 1, n), rng.normal(0, 1, n)], 1)
+    x = x.astype(dtype)
+    x[7, 1], x[9, 2] = 2.0**-100, np.inf  # the pass's branch; a special value
+    x = x if axis == 0 else x.T.copy()
+    parts = [x.real, x.imag] if dtype == "complex64" else [x]
+
+    @jax.jit
+    def exact(*ps):
+        with jax.enable_x64(True):
+            fmt = FORMATS["float32"]
+            wide = [p.astype(jnp.float64) for p in ps]
+            means, var, _ = _kernel.slice_moments(jax_ops, wide, axis, 1, fmt, None, True)
+            return means, var
+
+    means, var = exact(*parts)
+    want_mean, want_var = oracle(x, (axis,), 1)
+    got_mean = means[0] if len(means) == 1 else np.asarray(means[0]) + 1j * np.asarray(means[1])
+    np.testing.assert_array_equal(bits(np.asarray(var, np.float32)), bits(want_var))
+    np.testing.assert_array_equal(
+        bits(np.asarray(got_mean).astype(want_mean.dtype)), bits(want_mean)
+    )
 
 
 def test_the_wide_mean_of_a_float32_state_is_the_mean_of_the_widened_data():
