@@ -176,7 +176,7 @@ def from_rows(ops, rows, valid, fmt):
     if valid is not None:
         finite = [f & valid for f in finite]
     clean = [ops.where(f, r, ops.zeros_like(r)) for f, r in zip(finite, flushed)]
-    s1s, s2 = _exact.accumulate(ops, clean, None, fmt, layout.l1, layout.l2)
+    s1s, s2 = accumulate_chunks(ops, clean, lambda rows: rows, fmt, layout, 1)
     ones = ops.ones_like(flushed[0], "bool")
     fields = [counted(ones)]
     for r, s1 in zip(flushed, s1s):
@@ -401,36 +401,19 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     if len(s2s) > 1:  # complex: the parts' S2 fields add (digits below 2**17)
         digits = carry(ops, digits, layout.lengths, 17)
 
-    # The branch takes a chunk of `step` terms of every slice at a time: its buffers (the
-    # digits of every element of the chunk) stay near CHUNK elements' whatever the size
-    # of the input (27 times the input's size in one piece: 432 MB of temporary buffers
-    # for a float32 [65536, 64], which XLA's CPU backend allocated, and paged in, on every
-    # call, taken or not).
-    total = full * block
-    step = _chunk(ops, total, kept)
-
     def below(digits):
-        """Add the digits of the inputs below 2**(e - R) (`_exact.accumulate`)."""
-        chunks = [ops.reshape(x, [-1, step, kept] if axis == 0 else [kept, -1, step]) for x in data]
+        """Add the digits of the inputs below 2**(e - R), a chunk at a time (the buffers
+        of every element's digits at once, taken or not, were 432 MB for float32
+        [65536, 64], allocated and paged in by XLA's CPU runtime on every call)."""
 
-        def add_chunk(i, *acc):
-            rows, rests = [], []
-            for x, lower in zip(chunks, lowers):
-                x = ops.take(x, i, axis)  # [step, kept] (axis 0) or [kept, step]
+        def rest(chunk):  # [step, kept] (axis 0) or [kept, step] per part
+            rows = []
+            for x, lower in zip(chunk, lowers):
                 a, wide = ops.abs(x), ops.cast(x, "float64")
-                rest = (a < lane(lower)) & (a >= tiny)
-                rows.append(ops.where(rest, wide, ops.zeros_like(wide)))
-                rests.append(rest)
-            valid = rests[0] if len(rests) == 1 else rests[0] | rests[1]
-            d1, d2 = _exact.accumulate(ops, rows, valid, fmt, layout.l1, layout.l2, axis=axis)
-            return (i + 1, *[u + v for u, v in zip(acc, [*d1, d2])])
+                rows.append(ops.where((a < lane(lower)) & (a >= tiny), wide, ops.zeros_like(wide)))
+            return rows
 
-        start = [ops.zeros([kept, layout.l1], "int64") for _ in data]
-        start.append(ops.zeros([kept, layout.l2], "int64"))
-        _, *sums = ops.while_loop(
-            lambda i, *_: i < total // step, add_chunk, (ops.constant(0, "int64"), *start)
-        )
-        *d1, d2 = sums  # digit sums below 2**16 per element: exact for n < 2**47
+        d1, d2 = accumulate_chunks(ops, data, rest, fmt, layout, axis)
         zeros = [ops.zeros_like(f) for f in fields]
         extra = [zeros[0]]
         for p, d in enumerate(d1):
@@ -440,20 +423,50 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     return ops.cond(ops.any(deep), below, (digits,))[0]
 
 
-CHUNK = 2**16  # elements per chunk of the branch below the pass (`from_one_pass`)
+CHUNK = 2**16  # elements per chunk of `accumulate_chunks`
 
 
-def _chunk(ops, total, kept):
-    """Terms per slice in a chunk of the branch below the pass: the largest power of two
-    that divides total (a multiple of BLOCK) with at most CHUNK elements in all (at
-    least 1; up to BLOCK where total or kept is known only while running)."""
+def accumulate_chunks(ops, arrays, prepare, fmt, layout, axis):
+    """`_exact.accumulate`'s digit sums (S1 per part [kept, l1], S2 [kept, l2]) of the
+    slices of 2-D arrays (slices along `axis`, one per real part), a chunk of `step`
+    terms of every slice at a time in a while loop, so that the buffers of the digits
+    (about 14 int64 words per element) stay near CHUNK elements' whatever the size of
+    the input (at once: 35 times the input, 1.1 GB of temporary buffers for float64
+    [65536, 64] under JAX).  prepare(chunks) -> the chunks' rows to accumulate (float64,
+    finite, flushed, zeros where nothing counts).  Integer digit sums: any cut, one
+    result (below 2**16 per element: exact for n < 2**47)."""
+    size, kept = ops.shape(arrays[0], axis), ops.shape(arrays[0], 1 - axis)
+    step = _chunk(ops, size, kept)
+    count = (size + (step - 1)) // step  # at least one chunk: an empty slice's is zeros
+    count = max(count, 1) if isinstance(count, int) else ops.maximum(count, 1)
+    shape = [-1, step, kept] if axis == 0 else [kept, -1, step]
+    chunks = [ops.reshape(ops.pad(a, axis, count * step - size, 0), shape) for a in arrays]
+
+    def add(i, *acc):
+        rows = prepare([ops.take(c, i, axis) for c in chunks])
+        d1, d2 = _exact.accumulate(ops, rows, None, fmt, layout.l1, layout.l2, axis=axis)
+        return (i + 1, *[u + v for u, v in zip(acc, [*d1, d2])])
+
+    start = [ops.zeros([kept, layout.l1], "int64") for _ in arrays]
+    start.append(ops.zeros([kept, layout.l2], "int64"))
+    _, *sums = ops.while_loop(lambda i, *_: i < count, add, (ops.constant(0, "int64"), *start))
+    return sums[:-1], sums[-1]
+
+
+def _chunk(ops, size, kept):
+    """Terms per slice in a chunk of `accumulate_chunks`: the largest power of two with
+    at most CHUNK elements in all, up to BLOCK or beyond it while it divides size (a
+    known one), and no more than size needs (at least 1); where kept is known only
+    while running, up to BLOCK."""
     if not isinstance(kept, int):  # an int64 scalar, which XLA knows when it compiles
         step = ops.constant(1, "int64")
         for j in range(1, _kernel.BLOCK.bit_length()):
             step = ops.where(kept * 2**j <= CHUNK, 2**j, step)
         return step
     step = 1
-    while step * 2 * kept <= CHUNK and (step * 2 <= _kernel.BLOCK or _divides(step * 2, total)):
+    while step * 2 * kept <= CHUNK and (step * 2 <= _kernel.BLOCK or _divides(step * 2, size)):
+        if isinstance(size, int) and step >= size:
+            break
         step *= 2
     return step
 
