@@ -19,7 +19,7 @@ import struct
 from fractions import Fraction
 from typing import NamedTuple
 
-from moments_core import _exact
+from moments_core import _exact, _state
 
 U = 2.0**-53  # unit roundoff of float64
 MARGIN = 1.0 + 2.0**-20  # covers the roundings of evaluating the bounds themselves
@@ -1031,8 +1031,6 @@ def _exact_loop(
         clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
         l1, l2 = _exact.lengths(fmt, aligned=True)
         if one_pass:  # long slices: exact float64 block sums, not every element's digits
-            from moments_core import _state  # (it imports this module)
-
             s1s, s2 = _state.digit_sums(ops, clean, fmt, l1, l2)
         else:
             s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)

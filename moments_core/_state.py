@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moments_core import _exact, _kernel
+from moments_core import _exact
 from moments_core._exact import MASK
 
 RADIX = 1 << _exact.RADIX_BITS
@@ -208,6 +208,7 @@ def _canonical(ops, raw, layout):
 # pass of exact float64 sums per real part instead of a scatter of digits per element
 # (docs section 13, "The state in one pass").
 RANGE_BITS = 42  # R: the pass holds the inputs within 2**R of the largest of their slice
+BLOCK = 256  # terms per block of the pass: 2**8 pieces below 2**44 sum exactly (below 2**52)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -326,7 +327,7 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     that runs only then.  Docs section 13 counts the bits.
     """
     layout = Layout(fmt, len(parts))
-    r, block = RANGE_BITS, _kernel.BLOCK
+    r, block = RANGE_BITS, BLOCK
     tiny = 2.0**fmt.emin
     n = ops.shape(parts[0], axis)
     full = (n + (block - 1)) // block  # at least one block: an empty slice's is zeros
@@ -460,11 +461,11 @@ def _chunk(ops, size, kept):
     while running, up to BLOCK."""
     if not isinstance(kept, int):  # an int64 scalar, which XLA knows when it compiles
         step = ops.constant(1, "int64")
-        for j in range(1, _kernel.BLOCK.bit_length()):
+        for j in range(1, BLOCK.bit_length()):
             step = ops.where(kept * 2**j <= CHUNK, 2**j, step)
         return step
     step = 1
-    while step * 2 * kept <= CHUNK and (step * 2 <= _kernel.BLOCK or _divides(step * 2, size)):
+    while step * 2 * kept <= CHUNK and (step * 2 <= BLOCK or _divides(step * 2, size)):
         if isinstance(size, int) and step >= size:
             break
         step *= 2
