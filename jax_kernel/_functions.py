@@ -34,6 +34,7 @@ from jax import lax
 
 from jax_kernel import _moments as _m
 from jax_kernel import _ops
+from jax_kernel._state import _wide_var
 from moments_core import _kernel, _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes, check_ddof, out_shape
@@ -191,8 +192,6 @@ def _std_value(x, mask, axes, keepdims, ddof):
         if _state.one_pass_applies(fmt) and math.prod(x.shape[a] for a in axes) >= (
             _state.STD_FROM_STATE
         ):
-            from jax_kernel._state import _wide_var
-
             v = _wide_var(x, mask, axes, ddof).reshape(out_shape(x.shape, axes, keepdims))
         else:
             _, v = _moments(_wide(x, fmt), mask, axes, keepdims, ddof)

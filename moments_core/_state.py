@@ -440,6 +440,8 @@ def accumulate_chunks(ops, arrays, prepare, fmt, layout, axis):
     step = _chunk(ops, size, kept)
     count = (size + (step - 1)) // step  # at least one chunk: an empty slice's is zeros
     count = max(count, 1) if isinstance(count, int) else ops.maximum(count, 1)
+    if isinstance(count, int) and count == 1:  # one chunk: no loop to compile
+        return _exact.accumulate(ops, prepare(arrays), None, fmt, layout.l1, layout.l2, axis=axis)
     shape = [-1, step, kept] if axis == 0 else [kept, -1, step]
     chunks = [ops.reshape(ops.pad(a, axis, count * step - size, 0), shape) for a in arrays]
 

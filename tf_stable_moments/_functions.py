@@ -32,6 +32,7 @@ from moments_core import _kernel, _state
 from moments_core._formats import FORMATS
 from moments_core._validate import canonical_axes
 from tf_stable_moments import _moments, _ops
+from tf_stable_moments._state import _wide_moments, moments_state
 from tf_stable_moments._xla_context import in_xla_context
 
 __all__ = ["reduce_std", "reduce_variance", "weighted_moments"]
@@ -98,8 +99,6 @@ def _std_value(x, axes, ddof):
         and None not in dims
         and math.prod(dims) >= _state.STD_FROM_STATE
     ):
-        from tf_stable_moments._state import _wide_moments, moments_state
-
         v = _wide_moments(moments_state(x, list(axes)), ddof)[1]
     else:
         _, v = _moments.moments(_wide(x, fmt), list(axes), ddof=ddof)
