@@ -23,11 +23,12 @@ the canonical form.  Hence merging is associative and commutative in bits, and
 of `moments` on the concatenated data.
 
 Two ways to the same canonical state here: `from_rows`, the digits of every element
-(`_exact.accumulate`: a segment sum), and `from_one_pass` for inputs of at most 24
-bits, exact float64 sums of blocks of 256 pieces whose bits are counted (docs section
-13, "The state in one pass"), placed at their digits per slice.  A third is native
-(moments_core/native/moments.h `state`, exact integer sums written as these digits;
-`state_result` rounds a state as `values` does), which the frameworks call on the CPU.
+(`_exact.accumulate`: a segment sum, a chunk at a time), and `from_one_pass` for
+inputs of at most 24 bits, exact float64 sums of blocks of 256 pieces whose bits are
+counted (docs section 13, "The state in one pass"), placed at their digits per slice.
+A third is native (moments_core/native/moments.h `state`, exact integer sums written
+as these digits; `state_result` rounds a state as `values` does), which the frameworks
+call on the CPU.
 
 `carry` has no data-dependent loop: a fixed number of carry steps brings every
 digit to [0, 2**16], and the remaining carries of 0 or 1 are resolved by a
@@ -316,15 +317,16 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     bool like them, or None; count: None, or the number of elements of each slice
     (an int64 scalar) where the slices were padded with zeros (they add nothing else).
 
-    A first pass finds each slice's largest finite |x| = m (2**e <= m < 2**(e + 1)),
-    its smallest |x| >= 2**emin and the NaN/+inf/-inf counts.  The inputs with
+    A first pass finds each slice's largest finite |x| = m (2**e <= m < 2**(e + 1))
+    and the NaN/+inf/-inf counts (packed in one int32 lane per block).  The inputs with
     |x| >= 2**(e - R) are integers y = x / u in the unit u = 2**max(e - R - 23, base),
     |y| < 2**66; with y = y1 2**33 + y0 and y**2 = q2 2**88 + q1 2**44 + q0 (floor
     splits, every piece in [0, 2**44) but y1), a block of 256 pieces sums exactly in
     float64 in any order.  The blocks' sums go to int64 in 16-bit pieces and to their
     digits.  Slices with inputs below 2**(e - R) (a range of more than 2**42 in one
-    slice; flushed inputs aside) add those through `_exact.accumulate`, in a branch
-    that runs only then.  Docs section 13 counts the bits.
+    slice; flushed inputs aside; counted in y0's lane) add those through
+    `accumulate_chunks`, in a branch that runs only then.  Docs section 13 counts the
+    bits.
     """
     layout = Layout(fmt, len(parts))
     r, block = RANGE_BITS, BLOCK
