@@ -1031,7 +1031,7 @@ def _exact_loop(
         clean, special = _clean_rows(ops, rows, valid if ok is None else ok)
         l1, l2 = _exact.lengths(fmt, aligned=True)
         if one_pass:  # long slices: exact float64 block sums, not every element's digits
-            s1s, s2 = _state.digit_sums(ops, clean, fmt, l1, l2)
+            s1s, s2 = _state.digit_sums(ops, clean, fmt)
         else:
             s1s, s2 = _exact.accumulate(ops, clean, None, fmt, l1, l2, w)
         # Blocks of rows to stack: per part the S1 of the means and the S1' that goes

@@ -268,10 +268,14 @@ def _add(u, v):
     return tuple(a + b for a, b in zip(u, v))
 
 
-def _field(ops, terms, offset, length, digits):
+def _field(ops, terms, offset, length, digits, signed=False):
     """Canonical digits [kept, length] of V 2**offset modulo 2**(16 length), where
     V = sum P 2**s over terms (P, s): P int64 [kept] pieces of `_pieces` (|P| < 2**62,
     any sign), s static bit shifts; offset int64 [kept] >= 0; |V| < 2**(16 digits - 1).
+    signed: digits of V 2**offset itself instead, the top one signed (0 or negative)
+    and none above it (so none may fall beyond `length`: `_signed_lengths`), from P
+    below 2**40 (`digit_sums`), which the carry pass takes whole (a third of the
+    operations: each P split in four pieces first was 0.1 s of XLA compile time).
 
     V's relative digits come from one carry pass over `digits` digits of [kept] vectors
     (the floor shift is arithmetic: a negative V comes out in two's complement, its sign
@@ -282,6 +286,11 @@ def _field(ops, terms, offset, length, digits):
     raw = [None] * digits
     for p, shift in terms:
         a, b = divmod(shift, _exact.RADIX_BITS)
+        if signed:  # |P 2**b| < 2**55; with the 2 or 3 terms of a digit and the carries
+            # into it, |raw + up| < 2**58
+            piece = ops.shl(p, b) if b else p
+            raw[a] = piece if raw[a] is None else raw[a] + piece
+            continue
         for m in range(4):
             piece = ops.band(ops.shr(p, 16 * m), MASK) if m < 3 else ops.shr(p, 48)
             piece = ops.shl(piece, b) if b else piece  # below 2**31 in magnitude
@@ -295,12 +304,22 @@ def _field(ops, terms, offset, length, digits):
     first, b = ops.shr(offset, 4), ops.band(offset, 15)
     index = ops.expand_dims(ops.iota(length, "int64"), 0)
     start = ops.expand_dims(first, 1)
-    out = ops.where(index > start + digits, ops.expand_dims(ext, 1), 0)
-    for j, d in enumerate(rel + [ext]):
+    out = 0 if signed else ops.where(index > start + digits, ops.expand_dims(ext, 1), 0)
+    for j, d in enumerate(rel + [up if signed else ext]):
         below = rel[j - 1] if j > 0 else ops.zeros_like(d)
-        w = ops.band(ops.shl(d, b), MASK) + ops.shr(below, 16 - b)
+        w = ops.shl(d, b) if signed and j == digits else ops.band(ops.shl(d, b), MASK)
+        w = w + ops.shr(below, 16 - b)
         out = out + ops.where(ops.eq(index, start + j), ops.expand_dims(w, 1), 0)
     return out
+
+
+def _signed_lengths(fmt):
+    """Digits of the signed fields of S1 and S2 (`_field`): room for the highest offset,
+    that of the largest finite input (e = emax - 1), and a field's relative digits and
+    its top one above it (10 + 1 and 12 + 1); at least the state's."""
+    layout = Layout(fmt, 1)
+    offset = max(fmt.emax - 1 - (RANGE_BITS + 23), fmt.base) - fmt.base
+    return max(layout.l1, offset // 16 + 11), max(layout.l2, 2 * offset // 16 + 13)
 
 
 def _split(ops, v, bits):
@@ -324,21 +343,76 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     splits, every piece in [0, 2**44) but y1), a block of 256 pieces sums exactly in
     float64 in any order.  The blocks' sums go to int64 in 16-bit pieces and to their
     digits.  Slices with inputs below 2**(e - R) (a range of more than 2**42 in one
-    slice; flushed inputs aside; counted in y0's lane) add those through
-    `accumulate_chunks`, in a branch that runs only then.  Docs section 13 counts the
-    bits.
+    slice; flushed inputs aside; counted in y0's lane) add those by more passes, each
+    over the inputs below the last one's lower end, in a branch that runs only then.
+    Docs section 13 counts the bits.
     """
     layout = Layout(fmt, len(parts))
-    r, block = RANGE_BITS, BLOCK
-    tiny = 2.0**fmt.emin
+    data, full = _padded(ops, parts, valid, axis)
+    kept = ops.shape(data[0], 1 - axis)
+    passes = [_pass(ops, x, fmt, axis, full, (layout.l1, layout.l2)) for x in data]
+    if valid is not None:
+        count = ops.sum(ops.cast(valid, "int64"), axis)
+    else:
+        count = ops.zeros([kept], "int64") + (ops.shape(parts[0], axis) if count is None else count)
+    fields = [_count_digits(ops, count)]
+    for s1, _, special, _, _ in passes:
+        fields += [s1] + [_count_digits(ops, c) for c in special]
+    s2s = [s2 for _, s2, _, _, _ in passes]
+    digits = ops.concat(fields + [s2s[0] if len(s2s) == 1 else s2s[0] + s2s[1]], 1)
+    if len(s2s) > 1:  # complex: the parts' S2 fields add (digits below 2**17)
+        digits = carry(ops, digits, layout.lengths, 17)
+
+    def below(digits):
+        """Passes over the inputs below the last pass's lower end until none is left
+        (at most six more: flushed float32 inputs span less than 2**254), each adding
+        its S1 and S2 fields (canonical modulo their size: their sum carried once)."""
+        zeros = [ops.zeros_like(f) for f in fields]
+        lengths = (layout.l1, layout.l2)
+
+        def step(*state):
+            caps, extra = state[: len(data)], state[-1]
+            deeper, add = [], [zeros[0]]
+            for p, (x, cap) in enumerate(zip(data, caps)):
+                deeper.append(_pass(ops, x, fmt, axis, full, lengths, False, cap=cap))
+                add += [deeper[-1][0]] + zeros[2 + 4 * p : 5 + 4 * p]
+            s2 = [q[1] for q in deeper]
+            add.append(s2[0] if len(s2) == 1 else s2[0] + s2[1])
+            return (*[q[3] for q in deeper], _deep(ops, deeper), extra + ops.concat(add, 1))
+
+        start = (*[p[3] for p in passes], ops.constant(True, "bool"), digits)
+        *_, total = ops.while_loop(lambda *state: state[-2], step, start)
+        return (carry(ops, total, layout.lengths, 20),)  # 7 fields below 2**17: < 2**20
+
+    return ops.cond(_deep(ops, passes), below, (digits,))[0]
+
+
+def _padded(ops, parts, valid, axis):
+    """(the parts as float32, zeros where not valid, padded to whole blocks; blocks)."""
     n = ops.shape(parts[0], axis)
-    full = (n + (block - 1)) // block  # at least one block: an empty slice's is zeros
+    full = (n + (BLOCK - 1)) // BLOCK  # at least one block: an empty slice's is zeros
     full = max(full, 1) if isinstance(full, int) else ops.maximum(full, 1)
     data = [ops.cast(p, "float32") for p in parts]
     if valid is not None:
         data = [ops.where(valid, p, ops.zeros_like(p)) for p in data]
-    data = [ops.pad(p, axis, full * block - n, 0.0) for p in data]
-    kept = ops.shape(data[0], 1 - axis)
+    return [ops.pad(p, axis, full * BLOCK - n, 0.0) for p in data], full
+
+
+def _deep(ops, passes):
+    """Whether any slice has inputs below its pass (another pass must add them)."""
+    deep = passes[0][4]
+    for p in passes[1:]:
+        deep = deep | p[4]
+    return ops.any(deep)
+
+
+def _pass(ops, x, fmt, axis, full, lengths, specials=True, signed=False, cap=None):
+    """The pass over one real part x (float32, 2-D, full blocks along axis): (S1 digits,
+    S2 digits, [NaN, +inf, -inf counts] or [], the lower end of the pass per slice,
+    whether a slice has inputs below it), the digits canonical modulo 2**(16 length)
+    (lengths: of S1, of S2), or `_field`'s signed ones.  specials=False: x is finite,
+    or cap ([kept] float32) is given: the pass takes only the inputs with |x| < cap."""
+    r, tiny = RANGE_BITS, 2.0**fmt.emin
 
     def lane(v):  # a per-slice vector [kept] against the elements
         return ops.expand_dims(v, axis)
@@ -349,10 +423,13 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     def largest_and_counts(u, v):  # max, then sums
         return (ops.maximum(u[0], v[0]), *_add(u[1:], v[1:]))
 
-    s1s, s2s, specials, lowers, deep = [], [], [], [], None
-    for x in data:
-        a = ops.abs(x)
-        zero = ops.zeros_like(a)
+    if cap is not None:  # NaN and inf out (cap is finite, or inf for finite x); no
+        # |x| of its own, which XLA would hoist out of a loop as a buffer of its own
+        c = lane(cap)
+        x = ops.where((x < c) & (x > -c), x, ops.zeros_like(x))
+    a = ops.abs(x)
+    zero = ops.zeros_like(a)
+    if specials:
         # The largest finite |x| and the NaN / +inf / -inf counts as 9-bit fields of one
         # int32 (a block counts at most 256 of each), per block; then over the blocks,
         # the fields apart in int64 (exact in any order).
@@ -366,64 +443,36 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
         packed = ops.cast(packed, "int64")
         fields = [ops.band(ops.shr(packed, 9 * k), 511) for k in range(3)]
         top, *special = ops.variadic([top, *fields], (0.0, 0, 0, 0), largest_and_counts, axis)
-        specials.append(special)
-        e = ops.shr(ops.cast(ops.bitcast(top, "int32"), "int64"), 23) - 127
-        lower = ops.bitcast(
-            ops.cast(ops.shl(ops.maximum(e - r, fmt.emin) + 127, 23), "int32"), "float32"
-        )
-        unit = ops.maximum(e - (r + 23), fmt.base)  # log2 u
-        scale = ops.bitcast(ops.shl(1023 - unit, 52), "float64")
-        inside = (a >= lane(lower)) & (a <= _F32_MAX)
-        wide = ops.cast(x, "float64")
-        y = ops.where(inside, wide * lane(scale), ops.zeros_like(wide))
-        y1, y0 = _split(ops, y, 33)
-        q2, rest = _split(ops, y * y, 88)  # y * y: exact (at most 48 bits)
-        q1, q0 = _split(ops, rest, 44)
-        # The inputs below the pass (>= 2**emin) counted in y0's lane from bit 41 on: a
-        # block's y0 sum is below 2**41, its count below 2**9 (one lane less to reduce).
-        under = ops.where((a < lane(lower)) & (a >= tiny), 2.0**41, 0.0)
-        sums = blocks([y1, y0 + under, q2, q1, q0], (0.0,) * 5, _add)
-        under, sums[1] = _split(ops, sums[1], 41)
-        sums, (under,) = _pieces(ops, sums, axis, [ops.cast(under, "int64")])
-        offset = unit - fmt.base  # u = 2**offset in units of 2**base
-        # V1 = sum y: |V1| < n 2**67 < 2**113; V2 = sum y**2 < n 2**132 < 2**178; the
-        # relative digits reach the top piece of the top sum (bit 33 + 48, 88 + 48).
-        s1s.append(_field(ops, _terms(sums[:2], (33, 0)), offset, layout.l1, 10))
-        s2s.append(_field(ops, _terms(sums[2:], (88, 44, 0)), 2 * offset, layout.l2, 12))
-        lowers.append(lower)
-        under = under > 0
-        deep = under if deep is None else deep | under
-    if valid is not None:
-        count = ops.sum(ops.cast(valid, "int64"), axis)
     else:
-        count = ops.zeros([kept], "int64") + (n if count is None else count)
-    fields = [_count_digits(ops, count)]
-    for s1, special in zip(s1s, specials):
-        fields += [s1] + [_count_digits(ops, c) for c in special]
-    digits = ops.concat(fields + [s2s[0] if len(s2s) == 1 else s2s[0] + s2s[1]], 1)
-    if len(s2s) > 1:  # complex: the parts' S2 fields add (digits below 2**17)
-        digits = carry(ops, digits, layout.lengths, 17)
-
-    def below(digits):
-        """Add the digits of the inputs below 2**(e - R), a chunk at a time (the buffers
-        of every element's digits at once, taken or not, were 432 MB for float32
-        [65536, 64], allocated and paged in by XLA's CPU runtime on every call)."""
-
-        def rest(chunk):  # [step, kept] (axis 0) or [kept, step] per part
-            rows = []
-            for x, lower in zip(chunk, lowers):
-                a, wide = ops.abs(x), ops.cast(x, "float64")
-                rows.append(ops.where((a < lane(lower)) & (a >= tiny), wide, ops.zeros_like(wide)))
-            return rows
-
-        d1, d2 = accumulate_chunks(ops, data, rest, fmt, layout, axis)
-        zeros = [ops.zeros_like(f) for f in fields]
-        extra = [zeros[0]]
-        for p, d in enumerate(d1):
-            extra += [d] + zeros[2 + 4 * p : 5 + 4 * p]
-        return (_canonical(ops, digits + ops.concat(extra + [d2], 1), layout),)
-
-    return ops.cond(ops.any(deep), below, (digits,))[0]
+        (top,) = blocks([a], (0.0,), largest_and_counts)
+        (top,) = ops.variadic([top], (0.0,), largest_and_counts, axis)
+        special = []
+    e = ops.shr(ops.cast(ops.bitcast(top, "int32"), "int64"), 23) - 127
+    lower = ops.bitcast(
+        ops.cast(ops.shl(ops.maximum(e - r, fmt.emin) + 127, 23), "int32"), "float32"
+    )
+    unit = ops.maximum(e - (r + 23), fmt.base)  # log2 u
+    scale = ops.bitcast(ops.shl(1023 - unit, 52), "float64")
+    inside = a >= lane(lower)
+    if specials:
+        inside = inside & (a <= _F32_MAX)
+    wide = ops.cast(x, "float64")
+    y = ops.where(inside, wide * lane(scale), ops.zeros_like(wide))
+    y1, y0 = _split(ops, y, 33)
+    q2, rest = _split(ops, y * y, 88)  # y * y: exact (at most 48 bits)
+    q1, q0 = _split(ops, rest, 44)
+    # The inputs below the pass (>= 2**emin) counted in y0's lane from bit 41 on: a
+    # block's y0 sum is below 2**41, its count below 2**9 (one lane less to reduce).
+    under = ops.where((a < lane(lower)) & (a >= tiny), 2.0**41, 0.0)
+    sums = blocks([y1, y0 + under, q2, q1, q0], (0.0,) * 5, _add)
+    under, sums[1] = _split(ops, sums[1], 41)
+    sums, (under,) = _pieces(ops, sums, axis, [ops.cast(under, "int64")])
+    offset = unit - fmt.base  # u = 2**offset in units of 2**base
+    # V1 = sum y: |V1| < n 2**67 < 2**113; V2 = sum y**2 < n 2**132 < 2**178; the
+    # relative digits reach the top piece of the top sum (bit 33 + 48, 88 + 48).
+    s1 = _field(ops, _terms(sums[:2], (33, 0)), offset, lengths[0], 10, signed)
+    s2 = _field(ops, _terms(sums[2:], (88, 44, 0)), 2 * offset, lengths[1], 12, signed)
+    return s1, s2, special, lower, under > 0
 
 
 CHUNK = 2**16  # elements per chunk of `accumulate_chunks`
@@ -481,38 +530,54 @@ def _divides(d, total):
 
 
 SPLIT_ROWS = 64  # `digit_sums` cuts each row into this many parts (at least 2**11 each)
+PART = 2**24  # and into parts of at most this many elements (`_field`'s P below 2**40)
 
 
-def digit_sums(ops, rows, fmt, l1, l2):
-    """`_exact.accumulate`'s digit sums (S1 per part [slices, l1], S2 [slices, l2]: the
-    same values, digits of either sign) of rows [slices, size] (a static size) of at most
-    24-bit values (float64, finite, flushed; zeros where an element does not count) by
-    the one pass: exact float64 block sums instead of the digits of every element (the
-    kernel's exact path for long slices: `_kernel.ONE_PASS_ROWS`).
+def digit_sums(ops, rows, fmt):
+    """`_exact.accumulate`'s digit sums (S1 per part, S2: the same values, digits of
+    either sign, [slices, `_signed_lengths`] each: fewer than the exact path's l2) of
+    rows [slices, size] (a static size) of at most 24-bit values (float64, finite,
+    flushed; zeros where an element does not count) by the one pass: exact float64
+    block sums instead of the digits of every element (the kernel's exact path for
+    long slices: `_kernel.ONE_PASS_ROWS`).
 
-    Each row is cut into SPLIT_ROWS consecutive parts (zeros appended), the states of
-    the parts taken together (`from_one_pass` along axis 1, vectorised across the parts:
-    one row alone ran as scalar code, 30 ms for 2**20 elements) and merged (digit sums,
-    carried).  The merged S1 field is two's complement modulo 2**(16 l1) with |S1| below
-    2**(16 l1 - 1): its top digit less 2**16 where it is 2**15 or more gives signed
-    digits of the same value."""
-    layout = Layout(fmt, len(rows))
+    Each row is cut into SPLIT_ROWS (or more) consecutive parts of at most PART
+    elements (zeros appended), the passes of the parts taken together (`_pass` along
+    axis 1, vectorised across the parts: one row alone ran as scalar code, 30 ms for
+    2**20 elements) and their digits summed.  The inputs below a part's pass (a range
+    beyond 2**42) take another pass, over the inputs below the last one's lower end, in
+    a loop that runs once unless some part has such inputs (at most seven times: the
+    flushed float32 inputs span less than 2**254).  Compiled code holds one pass and no
+    element digits, carry or count (`_field`'s signed fields: `_exact.finish` carries;
+    the rows are finite and every element counts): 0.4 s of XLA compile time, JAX,
+    float32 rows of 2**17, against 1.2 s for the canonical state of `from_one_pass`
+    with the element digits of the inputs below the pass in a branch."""
     slices, size = ops.shape(rows[0], 0), ops.shape(rows[0], 1)
-    part = -(-size // SPLIT_ROWS)
+    count = max(SPLIT_ROWS, -(-size // PART))
+    part = -(-size // count)
     cut = [
-        ops.reshape(ops.pad(r, 1, part * SPLIT_ROWS - size, 0.0), [slices * SPLIT_ROWS, part])
-        for r in rows
+        ops.reshape(ops.pad(r, 1, part * count - size, 0.0), [slices * count, part]) for r in rows
     ]
-    d = from_one_pass(ops, cut, None, fmt, 1)
-    d = ops.sum(ops.reshape(d, [slices, SPLIT_ROWS, layout.size]), 1)
-    d = carry(ops, d, layout.lengths, 31)
-    s1s = []
-    for p in range(len(rows)):
-        o = layout.offset(("s1", p))
-        top = d[:, o + layout.l1 - 1 : o + layout.l1]
-        top = ops.where(top >= RADIX // 2, top - RADIX, top)
-        s1s.append(_exact.resize(ops, ops.concat([d[:, o : o + layout.l1 - 1], top], 1), l1))
-    return s1s, _exact.resize(ops, d[:, layout.offset("s2") :], l2)
+    data, full = _padded(ops, cut, None, 1)
+    lengths = _signed_lengths(fmt)
+
+    def step(caps, deep, *sums):  # one pass over the inputs below the caps
+        passes = []
+        for x, cap in zip(data, caps):
+            passes.append(_pass(ops, x, fmt, 1, full, lengths, False, True, cap))
+        s2 = passes[0][1] if len(passes) == 1 else passes[0][1] + passes[1][1]
+        new = [p[0] for p in passes] + [s2]
+        return ([p[3] for p in passes], _deep(ops, passes), *[a + b for a, b in zip(sums, new)])
+
+    rows_n = ops.shape(data[0], 0)
+    caps = [ops.zeros([rows_n], "float32") + np.inf for _ in data]
+    sums = [ops.zeros([rows_n, lengths[0]], "int64") for _ in data]
+    sums.append(ops.zeros([rows_n, lengths[1]], "int64"))
+    _, _, *sums = ops.while_loop(
+        lambda caps, deep, *_: deep, step, (caps, ops.constant(True, "bool"), *sums)
+    )
+    sums = [ops.sum(ops.reshape(v, [slices, count, -1]), 1) for v in sums]
+    return sums[:-1], sums[-1]
 
 
 def _terms(sums, shifts):

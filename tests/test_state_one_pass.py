@@ -181,10 +181,11 @@ def test_one_pass_counts_whole_blocks_of_special_values():
 
 
 def test_one_pass_buffers_stay_near_the_size_of_its_input():
-    """The branch below the pass takes a chunk of every slice at a time, so the compiled
-    one pass needs temporary buffers of about its input's size, whatever that size (the
-    digits of every element at once were 27 times the input: 432 MB for float32
-    [65536, 64], allocated on every call whether the branch ran or not)."""
+    """The branch below the pass takes more passes, so the compiled one pass needs
+    temporary buffers of about its input's size, whatever that size (the digits of every
+    element at once were 27 times the input: 432 MB for float32 [65536, 64], allocated on
+    every call whether the branch ran or not; a |x| that XLA hoisted out of the branch's
+    loop, 88 MB)."""
     for shape, axes in (((65536, 64), (0,)), ((64, 32768), (1,))):
         spec = jax.ShapeDtypeStruct(shape, np.float32)
         compiled = jax_state._state_values.lower(spec, None, axes, True).compile()
@@ -197,16 +198,19 @@ def test_the_exact_path_sums_long_slices_by_the_one_pass(dtype, axis):
     """Slices of `_kernel.ONE_PASS_ROWS` elements or more take the kernel's exact path
     through `_state.digit_sums` (the one pass over the gathered slice, cut into parts
     and merged) instead of every element's digits: every slice sent there (the exact-only
-    switch) has the oracle's bits, for both layouts, a range beyond the pass's 2**42 (its
-    branch), NaN and Inf, and a complex input."""
+    switch) has the oracle's bits, for both layouts, ranges beyond the pass's 2**42
+    (a second and a third pass), NaN and Inf, a complex input, and the extremes of the
+    pass's unit: sums near float32's largest values (the highest digits of the signed
+    fields, negative) and among its smallest normal ones."""
     n = _kernel.ONE_PASS_ROWS + 5
     assert _kernel._one_pass_rows(n, FORMATS["float32"])
     rng = np.random.default_rng(23)
-    x = np.stack([rng.normal(1e3, 1, n), rng.normal(0, 1, n), rng.normal(-2, 3, n)], 1)
+    locs, scales = [1e3, 0, -2, -3e38, 0], [1, 1, 3, 1e31, 1e-37]
+    x = np.stack([rng.normal(m, s, n) for m, s in zip(locs, scales)], 1)
     if dtype == "complex64":
-        x = x + 1j * np.stack([rng.normal(0, 2, n), rng.normal(5, 1, n), rng.normal(0, 1, n)], 1)
+        x = x + 1j * np.stack([rng.normal(m, s, n) for m, s in zip(locs[::-1], scales[::-1])], 1)
     x = x.astype(dtype)
-    x[7, 1], x[9, 2] = 2.0**-100, np.inf  # the pass's branch; a special value
+    x[7, 1], x[8, 1], x[9, 2] = 2.0**-60, 2.0**-110, np.inf  # passes below; a special value
     x = x if axis == 0 else x.T.copy()
     parts = [x.real, x.imag] if dtype == "complex64" else [x]
 
