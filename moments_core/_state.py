@@ -177,7 +177,7 @@ def from_rows(ops, rows, valid, fmt):
     if valid is not None:
         finite = [f & valid for f in finite]
     clean = [ops.where(f, r, ops.zeros_like(r)) for f, r in zip(finite, flushed)]
-    s1s, s2 = accumulate_chunks(ops, clean, lambda rows: rows, fmt, layout, 1)
+    s1s, s2 = accumulate_chunks(ops, clean, fmt, layout)
     ones = ops.ones_like(flushed[0], "bool")
     fields = [counted(ones)]
     for r, s1 in zip(flushed, s1s):
@@ -478,30 +478,28 @@ def _pass(ops, x, fmt, axis, full, lengths, specials=True, signed=False, cap=Non
 CHUNK = 2**16  # elements per chunk of `accumulate_chunks`
 
 
-def accumulate_chunks(ops, arrays, prepare, fmt, layout, axis):
-    """`_exact.accumulate`'s digit sums (S1 per part [kept, l1], S2 [kept, l2]) of the
-    slices of 2-D arrays (slices along `axis`, one per real part), a chunk of `step`
-    terms of every slice at a time in a while loop, so that the buffers of the digits
-    (about 14 int64 words per element) stay near CHUNK elements' whatever the size of
-    the input (at once: 35 times the input, 1.1 GB of temporary buffers for float64
-    [65536, 64] under JAX).  prepare(chunks) -> the chunks' rows to accumulate (float64,
-    finite, flushed, zeros where nothing counts).  Integer digit sums: any cut, one
+def accumulate_chunks(ops, rows, fmt, layout):
+    """`_exact.accumulate`'s digit sums (S1 per part [kept, l1], S2 [kept, l2]) of rows
+    [kept, size] (one array per real part; float64, finite, flushed, zeros where nothing
+    counts), a chunk of `step` terms of every row at a time in a while loop, so that the
+    buffers of the digits (about 14 int64 words per element) stay near CHUNK elements'
+    whatever the size of the input (at once: 35 times the input, 1.1 GB of temporary
+    buffers for float64 [65536, 64] under JAX).  Integer digit sums: any cut, one
     result (below 2**16 per element: exact for n < 2**47)."""
-    size, kept = ops.shape(arrays[0], axis), ops.shape(arrays[0], 1 - axis)
+    size, kept = ops.shape(rows[0], 1), ops.shape(rows[0], 0)
     step = _chunk(ops, size, kept)
     count = (size + (step - 1)) // step  # at least one chunk: an empty slice's is zeros
     count = max(count, 1) if isinstance(count, int) else ops.maximum(count, 1)
     if isinstance(count, int) and count == 1:  # one chunk: no loop to compile
-        return _exact.accumulate(ops, prepare(arrays), None, fmt, layout.l1, layout.l2, axis=axis)
-    shape = [-1, step, kept] if axis == 0 else [kept, -1, step]
-    chunks = [ops.reshape(ops.pad(a, axis, count * step - size, 0), shape) for a in arrays]
+        return _exact.accumulate(ops, rows, None, fmt, layout.l1, layout.l2)
+    chunks = [ops.reshape(ops.pad(r, 1, count * step - size, 0), [kept, -1, step]) for r in rows]
 
     def add(i, *acc):
-        rows = prepare([ops.take(c, i, axis) for c in chunks])
-        d1, d2 = _exact.accumulate(ops, rows, None, fmt, layout.l1, layout.l2, axis=axis)
+        part = [ops.take(c, i, 1) for c in chunks]
+        d1, d2 = _exact.accumulate(ops, part, None, fmt, layout.l1, layout.l2)
         return (i + 1, *[u + v for u, v in zip(acc, [*d1, d2])])
 
-    start = [ops.zeros([kept, layout.l1], "int64") for _ in arrays]
+    start = [ops.zeros([kept, layout.l1], "int64") for _ in rows]
     start.append(ops.zeros([kept, layout.l2], "int64"))
     _, *sums = ops.while_loop(lambda i, *_: i < count, add, (ops.constant(0, "int64"), *start))
     return sums[:-1], sums[-1]
