@@ -271,8 +271,8 @@ def _wide_var(x, where, axes, ddof):
     state = moments_state(x, axes, where=where)
     layout = _layout(state.dtype)
     with jax.enable_x64(True):
+        # A state made here is canonical: no carry (one was 0.2 s of XLA compile time).
         digits = state.values.reshape(-1, layout.size).astype(np.int64)
-        digits = _state.carry(_ops, digits, layout.lengths, 31)
         ddof = jnp.asarray(ddof, np.int64)
         _, var = _state.values(_ops, digits, layout, ddof, FORMATS["float64"])
     return var.reshape(state.values.shape[:-1])
