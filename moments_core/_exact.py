@@ -196,7 +196,8 @@ def magnitudes(ops, d):
     # [d; -d] as d times the signs (1, -1) broadcast: XLA's CPU backend compiled the
     # concatenate of d and its negation (s64 [48, 57]) in 0.1-0.27 s, the product in 0.04 s.
     sign = ops.reshape(1 - 2 * ops.iota(2, "int64"), [2, 1, 1])
-    both = normalise(ops, ops.reshape(ops.expand_dims(d, 0) * sign, [2 * rows, -1]))
+    both = ops.reshape(ops.expand_dims(d, 0) * sign, [-1, ops.shape(d, 1)])  # [2 rows, L]
+    both = normalise(ops, both)
     plus, minus = both[:rows], both[rows:]
     negative = plus[:, -1] < 0
     return ops.where(ops.expand_dims(negative, 1), minus, plus), negative
@@ -204,12 +205,13 @@ def magnitudes(ops, d):
 
 def multiply(ops, a, b):
     """Digits of a * b (a, b normalised, [rows, L]) as [rows, 2 L - 1], not normalised."""
-    rows, length = ops.shape(a, 0), ops.shape(a, 1)
+    length = ops.shape(a, 1)
     outer = ops.expand_dims(a, 2) * ops.expand_dims(b, 1)  # [rows, L, L], each < 2**32
     # Skew: row i moved right by i, so that column k collects the products with i + j = k.
+    # (-1 for the rows: a TensorFlow graph keeps the static L through the reshapes.)
     padded = ops.concat([outer, ops.zeros_like(outer)], 2)  # [rows, L, 2 L]
-    flat = ops.reshape(padded, [rows, 2 * length * length])[:, : length * (2 * length - 1)]
-    return ops.sum(ops.reshape(flat, [rows, length, 2 * length - 1]), 1)
+    flat = ops.reshape(padded, [-1, 2 * length * length])[:, : length * (2 * length - 1)]
+    return ops.sum(ops.reshape(flat, [-1, length, 2 * length - 1]), 1)
 
 
 def resize(ops, d, length):
@@ -301,9 +303,14 @@ def to_float(ops, num, divisors, offset, fmt, negative=None):
     return bits
 
 
-def finish(ops, means, shifted, s2, n, ddof, fmt):
+def finish(ops, means, shifted, s2, n, ddof, fmt, target=None, width=None, canonical=False):
     """Bit patterns of the means S1 / n (per part) and of the variance
-    (n S2 - sum S1'**2) / (n (n - ddof)), from digits (not normalised, [rows, <= l2]).
+    (n S2 - sum S1'**2) / (n (n - ddof)), from digits (not normalised, [rows, <= l2])
+    of sums in units of 2**fmt.base, rounded to fmt (or to `target`, a wider format:
+    the state's mean and variance of float32 data in float64, `_state.finish`).
+    width: digits of the working rows (l2 of `lengths`, aligned, by default);
+    canonical: S2's digits are normalised already (a state's), so only the S1 rows go
+    through `magnitudes` (its loop carries each row and its negation).
 
     means: the S1 of each part (the sum of its X); shifted: the S1' of each part that
     goes with S2 (shifted sums, see `sums_digits`), or None for sums of the elements
@@ -312,13 +319,16 @@ def finish(ops, means, shifted, s2, n, ddof, fmt):
     rounding once, whatever the number of parts and whichever sums the rows come from.
     """
     l1, l2 = lengths(fmt, aligned=True)
+    l2 = l2 if width is None else width
     k = len(means)
     rows = ops.shape(s2, 0)
-    blocks = [*means, *(shifted or []), s2]
+    blocks = [*means, *(shifted or [])] + ([] if canonical else [s2])
     sums, negative = magnitudes(ops, ops.concat([resize(ops, b, l2) for b in blocks], 0))
-    num = sums[(len(blocks) - 1) * rows :] * ops.expand_dims(n, 1)
+    s2 = resize(ops, s2, l2) if canonical else sums[(len(blocks) - 1) * rows :]
+    num = s2 * ops.expand_dims(n, 1)
     for i in range(k, 2 * k) if shifted else range(k):
-        magnitude = sums[i * rows : (i + 1) * rows, :l1]  # |S1'| < 2**(16 l1)
+        magnitude = sums[i * rows : (i + 1) * rows][:, :l1]  # |S1'| < 2**(16 l1); rows, then
+        # digits: TensorFlow keeps the static l1 (a begin vector holding rows loses it)
         num = num - resize(ops, multiply(ops, magnitude, magnitude), l2)
     num = normalise(ops, num)
     d = ops.maximum(n - ddof, 1)
@@ -333,7 +343,7 @@ def finish(ops, means, shifted, s2, n, ddof, fmt):
         ops.concat([sums[: k * rows], num], 0),
         divisors,
         ops.reshape(offset, [-1]),
-        fmt,
+        fmt if target is None else target,
         signs,
     )
     return [bits[i * rows : (i + 1) * rows] for i in range(k)], bits[k * rows :]

@@ -601,51 +601,30 @@ def finish(ops, d, layout, ddof, target=None):
     special: per part (nan, pinf, ninf) bool [rows], and n (int64 [rows]).  target:
     None, or a wider format to round to (the sums are exact: the mean of float32
     data to float64, for the layers' second part of the mean).
+
+    The rounding is the exact path's (`_exact.finish`), on the S1 fields as signed
+    digits (a two's complement field whose top digit is 2**15 or more has that digit
+    less 2**16: the same value) and the S2 field: compiled code of its carry loops,
+    not the three Kogge-Stone carries of 7-10 XLA kernels each that this function
+    had (1.2 s of XLA compile time for `state_moments` of float32 states, JAX).
     """
     fmt = layout.fmt
-    l1, l2 = _exact.lengths(fmt)
+    l1 = layout.l1
+    d = ops.reshape(d, [-1, layout.size])  # the fields' static lengths (TF graphs)
     n = _number(ops, d[:, :COUNT_DIGITS])
     parts = range(layout.parts)
-    low, low2 = np.zeros(l1, bool), np.zeros(l2, bool)
-    low[0] = low2[0] = True  # the lowest digit of each S1 field, of N
-    low = ops.constant(np.tile(low, layout.parts)[None, :], "bool")
-    low2 = ops.constant(low2[None, :], "bool")
-    every = ops.constant(np.ones([1, l1], bool), "bool")
-    s1 = ops.concat([d[:, o : o + l1] for o in [layout.offset(("s1", p)) for p in parts]], 1)
-    negative = [s1[:, (p + 1) * l1 - 1] >= RADIX // 2 for p in parts]
-    # |S1| = 2**(16 l1) - S1 for a negative S1: complement plus one, carried.
-    wide = ops.concat([ops.expand_dims(ng, 1) & every for ng in negative], 1)
-    mag = ops.where(wide, (RADIX - 1) - s1, s1) + _indicator(ops, wide & low, s1)
-    mag = carry(ops, mag, [l1] * layout.parts, 17)
-    magnitude = [mag[:, p * l1 : (p + 1) * l1] for p in parts]
-    squares = _exact.multiply(ops, magnitude[0], magnitude[0])  # digits < l1 2**32
-    for m in magnitude[1:]:
-        squares = squares + _exact.multiply(ops, m, m)
-    # N = n S2 - sum S1**2 >= 0: n S2 + (2**(16 l2) - sum S1**2) modulo 2**(16 l2).
-    s2 = d[:, layout.offset("s2") :] * ops.expand_dims(n, 1)  # digits < 2**62
-    both = ops.concat([_exact.resize(ops, s2, l2), _exact.resize(ops, squares, l2)], 1)
-    both = carry(ops, both, [l2, l2], 63)
-    num = both[:, :l2] + ((RADIX - 1) - both[:, l2:]) + _indicator(ops, low2, s2[:, :1])
-    num = carry(ops, num, [l2], 18)
-    # One rounding for all: the means (S1 / n, divided by 1 once more) and the variance.
-    divisor = ops.maximum(n - ddof, ops.ones_like(n))
-    rows = [_exact.resize(ops, m, l2) for m in magnitude] + [num]
-    offsets = [fmt.base] * layout.parts + [2 * fmt.base]
+    s1s = []
+    for p in parts:
+        o = layout.offset(("s1", p))
+        top = d[:, o + l1 - 1 : o + l1]
+        top = ops.where(top >= RADIX // 2, top - RADIX, top)
+        s1s.append(ops.concat([d[:, o : o + l1 - 1], top], 1))
+    s2 = d[:, layout.offset("s2") :]
+    # n = 0 (an empty slice; its results are NaN: `values`): S1 = S2 = 0, any count.
     count = ops.maximum(n, ops.ones_like(n))
-    bits = _exact.to_float(
-        ops,
-        ops.concat(rows, 0),
-        [
-            ops.concat([count] * len(rows), 0),
-            ops.concat([ops.ones_like(n)] * layout.parts + [divisor], 0),
-        ],
-        ops.concat([ops.zeros_like(n) + o for o in offsets], 0),
-        fmt if target is None else target,
-        ops.concat(negative + [ops.zeros_like(negative[0])], 0),
-    )
-    size = ops.shape(n, 0)
-    means = [bits[p * size : (p + 1) * size] for p in parts]
-    var = bits[layout.parts * size :]
+    # Digits of n S2 < 2**(16 l2 + 46) and of S1**2 (2 l1 - 1), a multiple of 8 (`lengths`)
+    width = -(-max(layout.l2 + 3, 2 * l1 - 1) // 8) * 8
+    means, var = _exact.finish(ops, s1s, None, s2, count, ddof, fmt, target, width, True)
     special = []
     for p in range(layout.parts):
         flags = []
