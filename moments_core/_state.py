@@ -350,39 +350,29 @@ def from_one_pass(ops, parts, valid, fmt, axis, count=None):
     layout = Layout(fmt, len(parts))
     data, full = _padded(ops, parts, valid, axis)
     kept = ops.shape(data[0], 1 - axis)
-    passes = [_pass(ops, x, fmt, axis, full, (layout.l1, layout.l2)) for x in data]
+    lengths = (layout.l1, layout.l2)
+    passes = [_pass(ops, x, fmt, axis, full, lengths) for x in data]
     if valid is not None:
         count = ops.sum(ops.cast(valid, "int64"), axis)
     else:
         count = ops.zeros([kept], "int64") + (ops.shape(parts[0], axis) if count is None else count)
     fields = [_count_digits(ops, count)]
-    for s1, _, special, _, _ in passes:
-        fields += [s1] + [_count_digits(ops, c) for c in special]
-    s2s = [s2 for _, s2, _, _, _ in passes]
-    digits = ops.concat(fields + [s2s[0] if len(s2s) == 1 else s2s[0] + s2s[1]], 1)
-    if len(s2s) > 1:  # complex: the parts' S2 fields add (digits below 2**17)
+    for q in passes:
+        fields += [q.s1] + [_count_digits(ops, c) for c in q.special]
+    digits = ops.concat(fields + [_s2(passes)], 1)
+    if len(passes) > 1:  # complex: the parts' S2 fields add (digits below 2**17)
         digits = carry(ops, digits, layout.lengths, 17)
 
     def below(digits):
-        """Passes over the inputs below the last pass's lower end until none is left
-        (at most six more: flushed float32 inputs span less than 2**254), each adding
-        its S1 and S2 fields (canonical modulo their size: their sum carried once)."""
-        zeros = [ops.zeros_like(f) for f in fields]
-        lengths = (layout.l1, layout.l2)
-
-        def step(*state):
-            caps, extra = state[: len(data)], state[-1]
-            deeper, add = [], [zeros[0]]
-            for p, (x, cap) in enumerate(zip(data, caps)):
-                deeper.append(_pass(ops, x, fmt, axis, full, lengths, False, cap=cap))
-                add += [deeper[-1][0]] + zeros[2 + 4 * p : 5 + 4 * p]
-            s2 = [q[1] for q in deeper]
-            add.append(s2[0] if len(s2) == 1 else s2[0] + s2[1])
-            return (*[q[3] for q in deeper], _deep(ops, deeper), extra + ops.concat(add, 1))
-
-        start = (*[p[3] for p in passes], ops.constant(True, "bool"), digits)
-        *_, total = ops.while_loop(lambda *state: state[-2], step, start)
-        return (carry(ops, total, layout.lengths, 20),)  # 7 fields below 2**17: < 2**20
+        """The inputs below the pass: `_passes_below` from its lower ends, their fields
+        (canonical modulo their size, at most six passes) added to the state's and the
+        sum carried once (digits below 7 2**17 < 2**20)."""
+        caps = [q.lower for q in passes]
+        s1s, s2 = _passes_below(ops, data, caps, fmt, axis, full, lengths, False)
+        extra = [ops.zeros_like(fields[0])]
+        for p, s1 in enumerate(s1s):
+            extra += [s1] + [ops.zeros_like(f) for f in fields[2 + 4 * p : 5 + 4 * p]]
+        return (carry(ops, digits + ops.concat(extra + [s2], 1), layout.lengths, 20),)
 
     return ops.cond(_deep(ops, passes), below, (digits,))[0]
 
@@ -398,18 +388,58 @@ def _padded(ops, parts, valid, axis):
     return [ops.pad(p, axis, full * BLOCK - n, 0.0) for p in data], full
 
 
+class Pass(NamedTuple):
+    """`_pass`'s results for one real part: the S1 and S2 fields, the NaN / +inf / -inf
+    counts (or none), the lower end of the pass per slice, and whether a slice has
+    inputs below it."""
+
+    s1: object
+    s2: object
+    special: list
+    lower: object
+    deep: object
+
+
+def _s2(passes):
+    """The S2 field of the parts' passes together (complex: the sum of both)."""
+    return passes[0].s2 if len(passes) == 1 else passes[0].s2 + passes[1].s2
+
+
 def _deep(ops, passes):
     """Whether any slice has inputs below its pass (another pass must add them)."""
-    deep = passes[0][4]
-    for p in passes[1:]:
-        deep = deep | p[4]
+    deep = passes[0].deep
+    for q in passes[1:]:
+        deep = deep | q.deep
     return ops.any(deep)
 
 
+def _passes_below(ops, data, caps, fmt, axis, full, lengths, signed):
+    """(S1 per part, S2): the sums of the fields of passes over the inputs below caps
+    (float32 [kept] per part), each pass over the inputs below the last one's lower
+    end, until no slice has any left: a loop that runs at least once and at most seven
+    times (the flushed float32 inputs span less than 2**254, a pass 2**42).  The fields
+    of every pass have one layout (`lengths`, `signed`: see `_pass`), so they add."""
+    kept = ops.shape(data[0], 1 - axis)
+    sums = [ops.zeros([kept, lengths[0]], "int64") for _ in data]
+    sums.append(ops.zeros([kept, lengths[1]], "int64"))
+
+    def step(*state):
+        caps, sums = state[: len(data)], state[len(data) + 1 :]
+        passes = [
+            _pass(ops, x, fmt, axis, full, lengths, False, signed, cap)
+            for x, cap in zip(data, caps)
+        ]
+        new = [q.s1 for q in passes] + [_s2(passes)]
+        return (*[q.lower for q in passes], _deep(ops, passes), *[a + b for a, b in zip(sums, new)])
+
+    start = (*caps, ops.constant(True, "bool"), *sums)
+    sums = ops.while_loop(lambda *state: state[len(data)], step, start)[len(data) + 1 :]
+    return list(sums[:-1]), sums[-1]
+
+
 def _pass(ops, x, fmt, axis, full, lengths, specials=True, signed=False, cap=None):
-    """The pass over one real part x (float32, 2-D, full blocks along axis): (S1 digits,
-    S2 digits, [NaN, +inf, -inf counts] or [], the lower end of the pass per slice,
-    whether a slice has inputs below it), the digits canonical modulo 2**(16 length)
+    """The pass over one real part x (float32, 2-D, full blocks along axis): a `Pass`,
+    the digits canonical modulo 2**(16 length)
     (lengths: of S1, of S2), or `_field`'s signed ones.  specials=False: x is finite,
     or cap ([kept] float32) is given: the pass takes only the inputs with |x| < cap."""
     r, tiny = RANGE_BITS, 2.0**fmt.emin
@@ -472,7 +502,7 @@ def _pass(ops, x, fmt, axis, full, lengths, specials=True, signed=False, cap=Non
     # relative digits reach the top piece of the top sum (bit 33 + 48, 88 + 48).
     s1 = _field(ops, _terms(sums[:2], (33, 0)), offset, lengths[0], 10, signed)
     s2 = _field(ops, _terms(sums[2:], (88, 44, 0)), 2 * offset, lengths[1], 12, signed)
-    return s1, s2, special, lower, under > 0
+    return Pass(s1, s2, special, lower, under > 0)
 
 
 CHUNK = 2**16  # elements per chunk of `accumulate_chunks`
@@ -542,10 +572,9 @@ def digit_sums(ops, rows, fmt):
     Each row is cut into SPLIT_ROWS (or more) consecutive parts of at most PART
     elements (zeros appended), the passes of the parts taken together (`_pass` along
     axis 1, vectorised across the parts: one row alone ran as scalar code, 30 ms for
-    2**20 elements) and their digits summed.  The inputs below a part's pass (a range
-    beyond 2**42) take another pass, over the inputs below the last one's lower end, in
-    a loop that runs once unless some part has such inputs (at most seven times: the
-    flushed float32 inputs span less than 2**254).  Compiled code holds one pass and no
+    2**20 elements) and their digits summed: `_passes_below` from +inf, the loop that
+    runs once unless some part spans more than 2**42 (`from_one_pass`'s branch is the
+    same loop from the first pass's lower ends).  Compiled code holds one pass and no
     element digits, carry or count (`_field`'s signed fields: `_exact.finish` carries;
     the rows are finite and every element counts): 0.4 s of XLA compile time, JAX,
     float32 rows of 2**17, against 1.2 s for the canonical state of `from_one_pass`
@@ -557,23 +586,9 @@ def digit_sums(ops, rows, fmt):
         ops.reshape(ops.pad(r, 1, part * count - size, 0.0), [slices * count, part]) for r in rows
     ]
     data, full = _padded(ops, cut, None, 1)
-    lengths = _signed_lengths(fmt)
-
-    def step(caps, deep, *sums):  # one pass over the inputs below the caps
-        passes = []
-        for x, cap in zip(data, caps):
-            passes.append(_pass(ops, x, fmt, 1, full, lengths, False, True, cap))
-        s2 = passes[0][1] if len(passes) == 1 else passes[0][1] + passes[1][1]
-        new = [p[0] for p in passes] + [s2]
-        return ([p[3] for p in passes], _deep(ops, passes), *[a + b for a, b in zip(sums, new)])
-
-    rows_n = ops.shape(data[0], 0)
-    caps = [ops.zeros([rows_n], "float32") + np.inf for _ in data]
-    sums = [ops.zeros([rows_n, lengths[0]], "int64") for _ in data]
-    sums.append(ops.zeros([rows_n, lengths[1]], "int64"))
-    _, _, *sums = ops.while_loop(
-        lambda caps, deep, *_: deep, step, (caps, ops.constant(True, "bool"), *sums)
-    )
+    caps = [ops.zeros([slices * count], "float32") + np.inf for _ in data]
+    s1s, s2 = _passes_below(ops, data, caps, fmt, 1, full, _signed_lengths(fmt), True)
+    sums = [*s1s, s2]
     sums = [ops.sum(ops.reshape(v, [slices, count, -1]), 1) for v in sums]
     return sums[:-1], sums[-1]
 
