@@ -107,17 +107,22 @@ def _mean_lo(all_sum, laid, axis, m64, v64, n, ddof, fmt):
     return _mean_lo_round(all_sum(total), unscale, ok, n, fmt)
 
 
-def _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt, integer=False):
-    """`_kernel.mean_lo_sums` as a phase; integer: the sums as int64 (0 where undefined)."""
+def _lo_sums(ops, x, axis, m, w, count, ddof, fmt, integer=False):
+    """`_kernel.mean_lo_sums`; integer: the sums as int64 (0 where undefined)."""
+    total, unscale, ok = _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
+    if integer:  # integers below 2**53: exact
+        total = ops.cast(ops.where(ok > 0.0, total, 0.0), "int64")
+    return total, unscale, ok
+
+
+def _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt):
+    """`_lo_sums` as a phase."""
 
     def sums(ops, x, m, w, count):
-        total, unscale, ok = _kernel.mean_lo_sums(ops, x, axis, m, w, ddof, fmt, count)
-        if integer:  # integers below 2**53: exact
-            total = ops.cast(ops.where(ok > 0.0, total, 0.0), "int64")
-        return total, unscale, ok
+        return _lo_sums(ops, x, axis, m, w, count, ddof, fmt)
 
     spec = [_matrix(laid.dtype), _vector(tf.float64), _vector(tf.float64), _scalar(tf.int64)]
-    key = ("lo_sums", axis, ddof, laid.dtype, integer)
+    key = ("lo_sums", axis, ddof, laid.dtype)
     return _phase(key, sums, (laid, m64, v64, n), spec)
 
 
@@ -232,7 +237,18 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
     if lo:
         block, reduced = _union_rows(reduced[0]), reduced[1:]
     spec = [_vector(tf.float64), _vector(tf.float64)]
-    m64, v64, todo, n = _phase(("decide", *key), decide, (reduced, k), spec)
+    if lo:  # the decision and mean_lo's sums of this replica's rows: one computation
+
+        def decide_lo(ops, reduced, k, x):
+            m, v, todo, n = decide(ops, reduced, k)
+            total, unscale, ok = _lo_sums(ops, x, axis, m, v, n, ddof, fmt, True)
+            return m, v, todo, n, total, unscale, ok
+
+        m64, v64, todo, n, total, unscale, ok = _phase(
+            ("decide_lo", *key), decide_lo, (reduced, k, laid), [*spec, _matrix(v.dtype)]
+        )
+    else:
+        m64, v64, todo, n = _phase(("decide", *key), decide, (reduced, k), spec)
     open_slices = tf.where(todo)[:, 0]
     where = tf.expand_dims(open_slices, 1)
     any_open = tf.reduce_any(todo)
@@ -242,7 +258,6 @@ def _merged_moments(all_sum, replica, v, axes, fmt, ddof=0, lo=False):
 
     lo64 = None
     if lo:
-        total, unscale, ok = _mean_lo_sums(laid, axis, m64, v64, n, ddof, fmt, integer=True)
         kept = tf.shape(total, out_type=tf.int64)[0]
         bits_type = _BITS[v.dtype]
 
