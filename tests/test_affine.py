@@ -393,6 +393,36 @@ def test_native_formula_ops_give_the_xla_formulas_bits(case):
 
 
 @pytest.mark.native
+@pytest.mark.parametrize("layout", ["bn", "bn_channels_first", "ln"])
+def test_native_formula_ops_cut_between_threads_keep_the_bits(layout):
+    """Tensors large enough that TensorFlow's thread pool cuts StableScaleShift's and
+    StableBlend's rows between its threads (2**20 elements: 2 or 6 cycles an element,
+    far above the pool's 10**5 cycles a piece), each piece starting mid-tensor: every
+    bit that of the formulas compiled by XLA (the per-channel loop and the strided one)."""
+    from tf_stable_moments import _native, _output
+
+    rng = np.random.default_rng(7)
+    r = _f32(rng.normal(3.0, 2.0, (64, 128, 128)))
+    scales = _f32(rng.uniform(0.5, 2.0, 128))
+    g, b = _f32(rng.normal(0, 1, 128)), _f32(rng.normal(0, 1, 128))
+    shared = layout != "ln"
+    if layout == "bn":
+        v = scales
+    elif layout == "bn_channels_first":
+        r, v, g, b = r.transpose(0, 2, 1).copy(), scales[:, None], g[:, None], b[:, None]
+    else:  # per sample, the LayerNormalization case (the strided loop)
+        v = _f32(rng.uniform(0.5, 2.0, (64, 1, 1)))
+    args = [tf.constant(a) for a in (r, v, g, b)]
+    assert _native.formula_op("scale_shift", args[0]) is not None
+    eager = _output.scale_shift(*args, shared=shared).numpy()
+    xla = tf.function(lambda *a: _output.scale_shift(*a, shared=shared), jit_compile=True)
+    _assert_bits(eager, xla(*args).numpy())
+    a, c = args[0], tf.reverse(args[0], [0])
+    blend_xla = tf.function(lambda a, c: _output.blend(a, 0.9, c, 0.1), jit_compile=True)
+    _assert_bits(_output.blend(a, 0.9, c, 0.1).numpy(), blend_xla(a, c).numpy())
+
+
+@pytest.mark.native
 def test_native_rsqrt_custom_call_is_correctly_rounded():
     """Under jit_compile on the CPU the layers take the per-channel t = rsqrt32(var + eps)
     of their output formulas from one custom call (tf_stable_moments_rsqrt): the oracle's
