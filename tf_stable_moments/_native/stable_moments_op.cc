@@ -691,8 +691,9 @@ void ForEachRow(const TensorShape& shape, const std::vector<std::vector<int64_t>
 // the pool split float32 [256, 128] and [8, 16, 16, 32] and took 69-85 and 103-125 us a
 // call; with 2 cycles they run inline in 29-31 and 59 us (TensorFlow's r * f + b: 27-33
 // and 53-60 us), and [16, 16, 16, 64] and larger are still split, as fast as before.  The
-// general loop (strided operands) and StableBlend cost about three times as much an
-// element (6.7 against 2.0 ns on one thread, [64, 32, 32, 64]): 6 cycles.
+// other loops in the same proportion to their time on one thread (float32 [64, 32, 32,
+// 64]: the per-channel loop 2.0 ns an element): StableScaleShift's general loop (strided
+// operands) 6.7 ns, 6 cycles; StableBlend 3.5 ns, 4 cycles.
 template <typename Body>
 void ForEachRowParallel(OpKernelContext* ctx, const TensorShape& shape,
                         const std::vector<std::vector<int64_t>>& strides, int64_t cycles,
@@ -819,7 +820,7 @@ class StableBlendOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     float* y = out->flat<float>().data();
-    ForEachRowParallel(ctx, shape, strides, 6,
+    ForEachRowParallel(ctx, shape, strides, 4,
                        [&](int64_t i, int64_t n, const int64_t* o, const int64_t* s) {
       for (int64_t k = 0; k < n; ++k) {  // RN32(RN64(a wa + b wb)): products exact
         const double p = static_cast<double>(Flush(in[0][o[0] + k * s[0]])) *
