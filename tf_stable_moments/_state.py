@@ -362,12 +362,14 @@ def _wide_moments(state, ddof=0):
     [*kept_dims]): the sums are exact, so a state of float32 data gives the moments of
     the data widened to float64 (inputs below float32's normal range count as 0, as
     TensorFlow's CPU kernels read them) without a second state of the widened data
-    (StableNormalization.adapt's second part of the mean; reduce_std's variance)."""
+    (StableNormalization.adapt's second part of the mean; reduce_std's variance).
+    The state is canonical, as `moments_state` and `merge_states` make it (both callers'):
+    no carry, as in JAX's `_wide_var`."""
     _check_state(state, "_wide_moments", "state")
     layout = _layout(state.dtype)
 
     def fn(values, ddof):
-        digits = _state.carry(_OPS, tf.cast(values, tf.int64), layout.lengths, 31)
+        digits = tf.cast(values, tf.int64)
         means, var = _state.values(_OPS, digits, layout, ddof, FORMATS["float64"])
         return means[0], var
 
