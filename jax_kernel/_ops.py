@@ -142,6 +142,17 @@ def take(x, idx, axis):
     return jnp.take(x, idx, axis=axis, mode="clip")
 
 
+def head(x, axis, count):
+    """The first `count` elements along axis of a 2-D x (all of a shorter axis).  For a
+    symbolic length (jax.export), `count` clamped indices: the last element repeated
+    where the axis is shorter (symbolic dimensions are at least 1)."""
+    size = x.shape[axis]
+    if isinstance(size, int):
+        return lax.slice_in_dim(x, 0, min(count, size), axis=axis)
+    idx = jnp.minimum(lax.iota(np.int64, count), size - 1)
+    return jnp.take(x, idx, axis=axis, mode="clip")
+
+
 def constant(v, dtype):
     return jnp.asarray(v, _DTYPES[dtype])
 

@@ -360,6 +360,7 @@ DYNAMIC_STAGES = 6  # stages of STAGE terms for a length unknown while tracing
 LEAF = 10.2  # |qh + ql - y**2| <= LEAF u32**2 y**2 (`square32`; 0.1 for flushing, 4b)
 NODE = 3.01  # a pair addition errs by at most NODE u32**2 (|h0| + |h1|) (`pair_add32`)
 FLUSH = 64.0  # per term: what flushing can lose, in units of ETA (section 4b)
+SAMPLE = 64  # leading elements of a slice among which `shift32` picks the shift
 
 
 def split32(ops, a):
@@ -399,17 +400,21 @@ def pair_add32(h0, l0, h1, l1, flip=False):
 
 def _pairs_min32(ops, flip):
     def combine(a, b):
-        (h0, l0, g0, m0, c0), (h1, l1, g1, m1, c1) = a, b
+        (h0, l0, r0, g0, m0, c0), (h1, l1, r1, g1, m1, c1) = a, b
         first = pair_add32(h0, l0, h1, l1, flip)
+        # The running bound of the first sum: the magnitudes this addition errs on.
+        run = (r0 + r1) + (ops.abs(h0) + ops.abs(h1))
         second = pair_add32(g0, m0, g1, m1, flip)
-        return (*first, *second, ops.minimum(c0, c1))
+        return (*first, run, *second, ops.minimum(c0, c1))
 
     return combine
 
 
 def pair_sums32(ops, arrays, axis):
-    """(h1, l1, h2, l2, smallest, depth): two sums of float32 pairs and a minimum along
-    `axis` of 2-D arrays (h1, l1, h2, l2, c), reduced in stages of at most STAGE terms.
+    """(h1, l1, r1, h2, l2, smallest, depth): two sums of float32 pairs and a minimum along
+    `axis` of 2-D arrays (h1, l1, h2, l2, c), reduced in stages of at most STAGE terms,
+    and r1, the first sum's running bound: the float32 sum, over the additions of the
+    tree that computed it, of |h0| + |h1| (section 4b, "Running bound").
 
     Each stage is one variadic reduction of unknown order over groups of STAGE
     consecutive terms (the last stage over what is left), with `pair_add32`: a term
@@ -428,7 +433,8 @@ def pair_sums32(ops, arrays, axis):
     """
     n = ops.shape(arrays[0], axis)
     static = isinstance(n, int)
-    inits = (0.0, 0.0, 0.0, 0.0, float("inf"))
+    arrays = [*arrays[:2], ops.zeros_like(arrays[0]), *arrays[2:]]
+    inits = (0.0, 0.0, 0.0, 0.0, 0.0, float("inf"))
     depth, flip, stage = 0.0, False, 0
     while (static and n > STAGE) or (not static and stage < DYNAMIC_STAGES):
         full = -(-n // STAGE) if static else (n + (STAGE - 1)) // STAGE
@@ -451,6 +457,27 @@ def flush32(ops, x, fmt):
     return ops.where(ops.abs(x) < 2.0**fmt.emin, ops.zeros_like(x), x)
 
 
+def shift32(ops, x, axis):
+    """K per slice (keepdims) for the float32-pair sums: of the slice's first SAMPLE
+    elements (all of a shorter slice), one nearest to their float32 mean (the smallest
+    such one).  An element, so the lattice of section 5 holds as for the first element;
+    near the mean, so the partial sums of x - K, and with them the running bound of
+    their sum (section 4b), stay small.  Any K gives a valid bound: this choice only
+    tightens it.  A NaN or Inf among them gives non-finite sums (the exact path, as
+    such a slice takes anyway)."""
+    sample = ops.head(x, axis, SAMPLE)
+    m = ops.shape(sample, axis)
+    mean = ops.sum(sample, axis, keepdims=True) / ops.cast(m, "float32")
+    d = ops.abs(sample - mean)
+    nearest = ops.eq(d, -ops.expand_dims(ops.max(-d, axis), axis))
+    candidates = ops.where(nearest, -sample, float("-inf"))
+    k = -ops.expand_dims(ops.max(candidates, axis), axis)
+    # A sample whose float32 sum is NaN (+inf and -inf, or two opposite overflows) has
+    # no nearest element: the first one instead.
+    first = sample[0:1] if axis == 0 else sample[:, 0:1]
+    return ops.where(ops.isfinite(k), k, first)
+
+
 def scale32(ops, size, axis):
     """(sigma, k): sigma = 2**k = 2**(40 - e) per slice, e = floor(log2 max |x|) (from
     size = |x|), within float32's normal range: the scaled inputs and differences lie
@@ -464,14 +491,16 @@ def scale32(ops, size, axis):
 
 def approximate32(ops, x, first, axis, c, fmt):
     """As `approximate` (without weights), summing in float32 pairs: x float32 [.., ..]
-    from `flush32`, first its first element per slice (keepdims).  Section 4b.
+    from `flush32`, first an element per slice (keepdims: `shift32`'s).  Section 4b.
 
     In units scaled by sigma (`scale32`, a power of two per slice), the shift is
     K' = fl(K sigma) (the mean uses K = K' / sigma, the shift actually subtracted) and
     y' = (yh, yl) = TwoSum(x sigma, -K') is exact but for flushing;
     q = square32(y') within LEAF u32**2 y'**2;
-    the sums of `pair_sums32` err by NODE D u32**2 sum|T|; their float64 values h + l
-    by U |h + l| more.  Flushing (a float32 result below 2**-126 read as 0: CPUs under
+    the sums of `pair_sums32` err by NODE D u32**2 sum|T| (the first also by NODE u32**2
+    times its running bound, read up, whichever is smaller: with K from `shift32` near
+    the mean, several times smaller); their float64 values h + l by U |h + l| more.
+    Flushing (a float32 result below 2**-126 read as 0: CPUs under
     TF and JAX, and accelerators) loses less than ETA per operation it touches: at
     most FLUSH n ETA per sum in all (each term passes through fewer than 16
     operations of its own and shares fewer than 16 per addition, of which there are
@@ -486,7 +515,7 @@ def approximate32(ops, x, first, axis, c, fmt):
     yh, yl = two_sum(x * wide, -first)  # y' = x sigma - K', exact but for flushing
     qh, ql = square32(ops, yh, yl)
     mags = ops.where(ops.eq(size, 0.0), float("inf"), size)
-    h1, l1, h2, l2, smallest, depth = pair_sums32(ops, [yh, yl, qh, ql, mags], axis)
+    h1, l1, r1, h2, l2, smallest, depth = pair_sums32(ops, [yh, yl, qh, ql, mags], axis)
     s1 = ops.cast(h1, "float64") + ops.cast(l1, "float64")
     s2 = ops.cast(h2, "float64") + ops.cast(l2, "float64")
     sigma = ops.cast(sigma, "float64")
@@ -505,7 +534,14 @@ def approximate32(ops, x, first, axis, c, fmt):
     zeros = ops.eq(smallest, float("inf"))  # every x is 0: the sums are exact zeros
     exact, exact_mean = exact | (zeros & ~bad), exact_mean | (zeros & ~bad)
     d2 = ops.where(exact, 0.0, (g2 * b_up + flushed) * MARGIN)
-    d1 = ops.where(exact_mean, 0.0, (g1 * a_abs + flushed) * MARGIN)
+    # The running bound: a term of r1 is rounded (down by at most a factor 1 - u32) by two
+    # float32 additions at each addition above it, fewer than 4 depth + 8 in all (an
+    # addition of a reduction's initial zero counted too); flushing takes less than eta
+    # from each of r1's fewer than 8 n operations.
+    r1 = (ops.cast(r1, "float64") + 8.0 * n * ETA) / (1.0 - (4.0 * depth + 8.0) * U32)
+    d1_run = (NODE * u2 * r1 + U * ops.abs(s1)) * MARGIN
+    d1 = ops.minimum(g1 * a_abs, d1_run)
+    d1 = ops.where(exact_mean, 0.0, (d1 + flushed) * MARGIN)
     # Back to the data's units: exact products with 1 / sigma.
     s1, d1, unit = s1 * inverse, d1 * inverse, unit * inverse
     s2, d2 = s2 * inverse * inverse, d2 * inverse * inverse
@@ -840,7 +876,10 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         xs = [flush32(ops, p, fmt) for p in parts]
     else:
         xs, mags = zip(*(flush(ops, p, fmt, magnitude=True) for p in parts))
-    firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
+    if f32:  # the pairs' running bound wants K near the mean
+        firsts = [shift32(ops, x, axis) for x in xs]
+    else:
+        firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
     if pairs:
         approx = [approximate_pairs(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
     elif f32:

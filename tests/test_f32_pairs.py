@@ -105,6 +105,54 @@ def _add(ops, *v, flip):
     return _kernel.pair_add32(*v, flip)
 
 
+def _sums(ops, *arrays):
+    *sums, depth = _kernel.pair_sums32(ops, list(arrays), 0)
+    return (*sums, ops.constant(depth, "float64"))  # a static length: depth is a float
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pair_sums32_running_bound_covers_the_error(backend):
+    """pair_sums32's first sum errs by at most NODE u**2 r (r its running bound, read
+    up for its own float32 roundings and flushes), and r lies between the sum of the
+    terms' magnitudes (every term is under one addition at least) and D times it (no
+    term is under more than D additions): the bound section 4b's `approximate32` takes.
+    Columns: wide exponents, a centred N(0, 1) sample (r far below D sum |T|) and a
+    near cancellation; 1001 rows, so that the stages pad."""
+    n = 1001
+    rng = np.random.default_rng(5)
+    wide, wide_low = _random_pairs(6, size=n)
+    centred = rng.standard_normal(n).astype(np.float32)
+    cancel = np.where(np.arange(n) % 2 == 0, 1.0, -1.0 - 2.0**-20).astype(np.float32)
+    highs = np.stack([wide, centred, cancel], 1)
+    lows = np.stack([wide_low, np.zeros(n, np.float32), np.zeros(n, np.float32)], 1)
+    squares = np.zeros_like(highs)
+    mags = np.where(highs == 0, np.float32(np.inf), np.abs(highs))
+    h, l, r, _, _, _, depth = _run(backend, _sums, highs, lows, squares, squares, mags)
+    u = Fraction(2) ** -24
+    for j in range(highs.shape[1]):
+        pairs = zip(highs[:, j], lows[:, j])
+        exact = sum(Fraction(float(a)) + Fraction(float(b)) for a, b in pairs)
+        err = abs(Fraction(float(h[j])) + Fraction(float(l[j])) - exact)
+        size = sum(abs(Fraction(float(a))) for a in highs[:, j])
+        run = Fraction(float(r[j]))
+        up = (run + 8 * n * ETA) / (1 - (4 * Fraction(float(depth)) + 8) * u)
+        assert err <= Fraction(_kernel.NODE) * U2 * up + _kernel.FLUSH * n * ETA, j
+        assert size * (1 - Fraction(2) ** -20) <= run <= float(depth) * size * (1 + 2.0**-20), j
+    # Centred terms: partial sums grow as a random walk, r about 4 sum |T| (D = 15 here).
+    total = float(np.abs(centred).sum())
+    assert float(r[1]) < 5.0 * total < float(depth) * total
+
+
+def test_the_pairs_decide_bn_shaped_slices():
+    """N(0, 1) slices of 65536 elements (a BN layer's channels), float32 pairs: at most 1%
+    left to the exact path (section 4b; with the first element as the shift and the
+    static bound D sum |T|, 2% of them were)."""
+    x = np.random.default_rng(0).standard_normal((65536, 256)).astype(np.float32)
+    fast = functools.partial(_fast, ddof=0, fmt=FORMATS["float32"])
+    _, _, todo = _run("jax_jit", fast, x.T.copy())
+    assert todo.mean() <= 0.01, todo.sum()
+
+
 def _parts(rows):
     return [rows.real, rows.imag] if np.iscomplexobj(rows) else [rows]
 

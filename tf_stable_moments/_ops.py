@@ -137,6 +137,11 @@ def take(x, idx, axis):
     return tf.gather(x, idx, axis=axis)
 
 
+def head(x, axis, count):
+    """The first `count` elements along axis of a 2-D x (all of a shorter axis)."""
+    return x[:count] if axis == 0 else x[:, :count]
+
+
 def constant(v, dtype):
     return tf.constant(v, _DTYPES[dtype])
 
@@ -396,6 +401,7 @@ _COMMON = dict(
             reshape,
             pad,
             take,
+            head,
             constant,
             segment_sum,
             top_k,
