@@ -876,7 +876,9 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         xs = [flush32(ops, p, fmt) for p in parts]
     else:
         xs, mags = zip(*(flush(ops, p, fmt, magnitude=True) for p in parts))
-    if f32:  # the pairs' running bound wants K near the mean
+    if f32 and n is None and mask is None:  # the pairs' running bound wants K near the
+        # mean; padded or unselected elements are copies of the first, which only the
+        # first element as K turns into exact zeros
         firsts = [shift32(ops, x, axis) for x in xs]
     else:
         firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]

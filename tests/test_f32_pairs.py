@@ -230,6 +230,25 @@ for key in [("float32", 4, 0), ("float32", 16, 0), ("bfloat16", 4, 0), ("complex
     assert_oracle(tuple(np.asarray(o) for o in jax_kernel.moments(rows, (1,))), want, names)
     run = tf.function(lambda v: tf_stable_moments.moments(v, [1]), jit_compile=True)
     assert_oracle(tuple(o.numpy() for o in run(tf.constant(rows))), want, names)
+# Slices padded beyond their count (a length unknown while tracing) and masked ones: their
+# extra elements are copies of the first, which only the first element as the shift zeroes.
+rng = np.random.default_rng(7)
+spec = [tf.TensorSpec([None, 8], tf.float32)]
+for jit in (False, True):
+    run = tf.function(lambda v: tf_stable_moments.moments(v, [0]), input_signature=spec,
+                      jit_compile=jit)
+    for n in (3, 17, 100, 1):
+        x = (rng.normal(size=(n, 8)) * 2 + 1).astype(np.float32)
+        want = datasets.oracle(x, (0,))
+        got = tuple(o.numpy() for o in run(x))
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (jit, n)
+x = (rng.normal(size=(300, 6)) + 3).astype(np.float32)
+where = rng.random((300, 6)) < 0.6
+got = np.asarray(jax_kernel.var(x, axis=0, where=where))
+for j in range(6):
+    want = datasets.oracle(x[where[:, j], j][:, None], (0,))[1][0]
+    assert got[j].view(np.uint32) == want.view(np.uint32), j
 print("ok")
 """
 
