@@ -489,9 +489,11 @@ def scale32(ops, size, axis):
     return ops.bitcast(ops.cast(ops.shl(k + 127, 23), "int32"), "float32"), k
 
 
-def approximate32(ops, x, first, axis, c, fmt):
+def approximate32(ops, x, first, axis, c, fmt, valid=None):
     """As `approximate` (without weights), summing in float32 pairs: x float32 [.., ..]
     from `flush32`, first an element per slice (keepdims: `shift32`'s).  Section 4b.
+    valid: None, or where an element counts (bool, broadcast like x): the others, copies
+    of the slice's first counted element, add exact zeros whatever the shift.
 
     In units scaled by sigma (`scale32`, a power of two per slice), the shift is
     K' = fl(K sigma) (the mean uses K = K' / sigma, the shift actually subtracted) and
@@ -513,6 +515,8 @@ def approximate32(ops, x, first, axis, c, fmt):
     wide = ops.expand_dims(sigma, axis)
     first = first * wide  # K' = fl(K sigma): exact but for flushing; K = K' / sigma below
     yh, yl = two_sum(x * wide, -first)  # y' = x sigma - K', exact but for flushing
+    if valid is not None:
+        yh, yl = (ops.where(valid, t, ops.zeros_like(t)) for t in (yh, yl))
     qh, ql = square32(ops, yh, yl)
     mags = ops.where(ops.eq(size, 0.0), float("inf"), size)
     h1, l1, r1, h2, l2, smallest, depth = pair_sums32(ops, [yh, yl, qh, ql, mags], axis)
@@ -876,16 +880,21 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         xs = [flush32(ops, p, fmt) for p in parts]
     else:
         xs, mags = zip(*(flush(ops, p, fmt, magnitude=True) for p in parts))
-    if f32 and n is None and mask is None:  # the pairs' running bound wants K near the
-        # mean; padded or unselected elements are copies of the first, which only the
-        # first element as K turns into exact zeros
+    valid = None
+    if f32:  # the pairs' running bound wants K near the mean (`shift32`); padded or
+        # unselected elements, copies of the first counted one, are made exact zeros
         firsts = [shift32(ops, x, axis) for x in xs]
+        if mask is not None:
+            valid = mask
+        elif n is not None:
+            index = ops.iota(size, "int64")
+            valid = ops.expand_dims(index < ops.cast(n, "int64"), 1 - axis)
     else:
         firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
     if pairs:
         approx = [approximate_pairs(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
     elif f32:
-        approx = [approximate32(ops, x, k, axis, c, fmt) for x, k in zip(xs, firsts)]
+        approx = [approximate32(ops, x, k, axis, c, fmt, valid) for x, k in zip(xs, firsts)]
     else:
         w = None if weights is None else ops.cast(weights, "float64")
         approx = [approximate(ops, *a, axis, c, fmt, w) for a in zip(xs, mags, firsts)]
