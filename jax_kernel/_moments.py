@@ -231,7 +231,7 @@ def _stats_impl(x, *, native, x64, **params):
 def _stats_lowering(platform):
     def lower(ctx, x, *, axes, ddof, lo, exact_only, native, x64):
         fn = functools.partial(
-            _kernel_outputs,
+            _kernel_outputs_jit,
             axes=axes,
             ddof=ddof,
             lo=lo,
@@ -240,7 +240,10 @@ def _stats_lowering(platform):
             f32=_kernel.f32_pairs(platform),
         )
         # Traced with the 64-bit mode of the bind (a caller's enable_x64 has ended when
-        # XLA lowers), so that the outputs have the dtypes of `_stats_abstract`.
+        # XLA lowers), so that the outputs have the dtypes of `_stats_abstract`.  Through
+        # the jitted kernel: call sites of one shape share its trace (jit's cache) and its
+        # lowering (one function of the module, called from each): a ResNet50's
+        # conversion to MLIR under Keras-JAX `jit`, CPU twin, 1.82 s -> 1.41 s.
         with jax.enable_x64(x64):
             return mlir.lower_fun(fn, multiple_results=True)(ctx, x)
 
