@@ -474,7 +474,7 @@ def shift32(ops, x, axis):
     k = -ops.expand_dims(ops.max(candidates, axis), axis)
     # A sample whose float32 sum is NaN (+inf and -inf, or two opposite overflows) has
     # no nearest element: the first one instead.
-    first = sample[0:1] if axis == 0 else sample[:, 0:1]
+    first = first_element(ops, sample, axis, dynamic=not isinstance(ops.shape(x, axis), int))
     return ops.where(ops.isfinite(k), k, first)
 
 
@@ -796,6 +796,13 @@ def first_element(ops, x, axis, dynamic=False):
     return ops.sum(k, axis, keepdims=True) if dynamic else k
 
 
+def counted(ops, size, n, axis):
+    """Where an element of slices of `size` laid out along axis counts, for slices padded
+    beyond their count n: the first n places (keepdims, broadcast against the 2-D
+    layout)."""
+    return ops.expand_dims(ops.iota(size, "int64") < ops.cast(n, "int64"), 1 - axis)
+
+
 def slice_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=None, f32=False):
     """Correctly rounded means (one per part) and variance of the slices of 2-D arrays.
 
@@ -887,8 +894,7 @@ def fast_moments(ops, parts, axis, ddof, fmt, n=None, exact_only=False, mask=Non
         if mask is not None:
             valid = mask
         elif n is not None:
-            index = ops.iota(size, "int64")
-            valid = ops.expand_dims(index < ops.cast(n, "int64"), 1 - axis)
+            valid = counted(ops, size, n, axis)
     else:
         firsts = [first_element(ops, x, axis, dynamic=not isinstance(size, int)) for x in xs]
     if pairs:
@@ -1058,7 +1064,7 @@ def _exact_loop(
     size = ops.shape(xs[0], axis)
     valid = None
     if n is not None and mask is None:
-        valid = ops.expand_dims(ops.iota(size, "int64") < ops.cast(n, "int64"), 0)
+        valid = counted(ops, size, n, 1)  # the gathered rows: [slices, size]
     count = ops.cast(c.n, "int64")
     weights = _weights(mask)
     one_pass = weights is None and _one_pass_rows(size, fmt)
@@ -1331,9 +1337,7 @@ def mean_lo_sums(ops, x, axis, mean, var, ddof, fmt, n=None, mask=None):
     elif n is not None and not (isinstance(n, int) and isinstance(size, int) and n >= size):
         # Slices padded beyond n (a static n of at least their length, the count of the
         # union in `jax_kernel._union.union_stats`, pads nothing: no mask to build and apply).
-        valid = ops.iota(size, "int64") < ops.cast(n, "int64")
-        valid = ops.expand_dims(valid, 1 if axis == 0 else 0)
-        d = ops.where(valid, d, ops.zeros_like(d))
+        d = ops.where(counted(ops, size, n, axis), d, ops.zeros_like(d))
     ulp = pow2(ops, ops.maximum(exponent(ops, ops.abs(mean)) - (fmt.precision - 1), -1000))
     eff = c.nf - ddof
     r2 = (eff * var * 2.0 + c.nf * ulp * ulp) * 2.0  # >= sum d**2
