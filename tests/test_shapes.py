@@ -61,6 +61,8 @@ def compiled_shapes(monkeypatch):
 def test_bucket_rounds_up_to_steps_per_octave(m, steps, expected):
     assert tf_moments._bucket(m, steps) == expected
     assert int(tf_moments._bucket(tf.constant(m, tf.int64), steps)) == expected
+    in_graph = tf.function(lambda v: tf_moments._bucket(v, steps), autograph=False)
+    assert int(in_graph(tf.constant(m, tf.int64))) == expected
 
 
 def test_buckets_bound_the_padding():
@@ -202,3 +204,38 @@ def test_xla_kernel_temporaries_stay_within_the_input_size(shape, axes):
     kernel = jax.jit(lambda v: jax_moments._moments(v, axes, False, 0, False, False))
     temp = kernel.lower(spec).compile().memory_analysis().temp_size_in_bytes
     assert temp <= int(np.prod(shape)) * 4, (temp, shape)
+
+
+def _graph_ops(fn, *specs):
+    graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+    return graph.get_operations()
+
+
+def test_graph_call_sites_add_one_call_not_a_cond_each():
+    """In a graph the XLA kernel's steps and their tf.cond are one function per variant,
+    traced once (as are the bucket sizes and the stall check): each call site, known or
+    unknown lengths, adds calls of the same functions and no tf.cond of its own; the
+    results have the bits of eager calls."""
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(1e4, 1.0, s).astype(np.float32) for s in ((64, 3), (40, 3))]
+
+    def two_sites(a, b):
+        return tf_stable_moments.moments(a, [0]) + tf_stable_moments.moments(b, [0])
+
+    for specs in (
+        [tf.TensorSpec(x.shape, tf.float32) for x in xs],
+        [tf.TensorSpec([None, x.shape[1]], tf.float32) for x in xs],
+    ):
+        ops = _graph_ops(two_sites, *specs)
+        assert not [op.name for op in ops if op.type in ("If", "StatelessIf")]
+        called = [op.get_attr("f").name for op in ops if op.type.endswith("PartitionedCall")]
+        assert called and all(called.count(name) == 2 for name in called), called
+        graph_out = tf.function(two_sites, input_signature=specs)(*xs)
+        eager_out = two_sites(*xs)
+        for g, e in zip(graph_out, eager_out):
+            assert np.array_equal(bits(g.numpy()), bits(e.numpy()))
+
+    layer = tf_stable_moments.StableBatchNormalization()
+    layer.build((None, 3))
+    ops = _graph_ops(lambda v: layer(v, training=True), tf.TensorSpec([64, 3], tf.float32))
+    assert not [op.name for op in ops if op.type in ("If", "StatelessIf")]
