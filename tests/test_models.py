@@ -277,6 +277,17 @@ def test_default_moving_mean_stalls_at_1e6_and_warns_once(fit):
     assert np.max(off) > 0.2, off  # inference shifted by the stalled moving mean
 
 
+def test_stall_warns_once_from_a_graph_without_the_native_op(monkeypatch):
+    """Without the native op (switched off, or a machine without the library) a graph's
+    check is one traced function per dtype, a tf.cond calling back into Python only when
+    a channel stalls: fit under tf.function warns once, as the native op does."""
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
+    layer, stalls = _stalled_layer_run(False, fit="tf_function")
+    assert len(stalls) == 1, stalls
+    assert re.search(r"below half an ulp of the moving mean \(0\.0312\)", stalls[0]), stalls[0]
+    assert f"'{layer.name}'" in stalls[0]
+
+
 def test_compensated_moving_mean_follows_at_1e6_without_warning():
     layer, stalls = _stalled_layer_run(True)
     assert stalls == []
