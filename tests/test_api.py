@@ -419,6 +419,37 @@ def test_the_native_mean_lo_op_gives_the_bits_of_the_kernel_formulation(formulat
         assert np.array_equal(bits(got), bits(want.ravel())), (x.dtype, x.shape, axes)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf_function"])
+def test_the_xla_kernel_mean_lo_follows_the_exact_path(graph, monkeypatch):
+    """The XLA kernel's computations of their own (native kernel off) compute mean_lo with
+    the fast path, from its statistics, and again after the exact path where a slice is
+    open: a near-tie the float64 sums cannot see (column 0: mean 2**-1 + 2**-25 + 2**-62,
+    a float32 midpoint plus 2**-62; the sums' nearest candidate is 0.5, the mean 0.5 +
+    2**-24) has the mean_lo of its exact mean (negative; 0.5's would be positive), as the
+    kernel's own formulation gives it from the certified mean."""
+    from moments_core._formats import FORMATS
+
+    monkeypatch.setenv("TF_STABLE_MOMENTS_NATIVE", "0")
+    x = np.random.default_rng(9).normal(1e4, 1.0, (4, 3)).astype(np.float32)
+    x[:, 0] = [1.0, 1.0 + 2.0**-23, 2.0**-60, 0.0]
+    xt = tf.constant(x)
+
+    def stats(v):
+        return tf_moments.stats(v, [0], 0, lo=True)
+
+    mean, lo, var = (tf.function(stats) if graph else stats)(xt)
+    assert tf_moments.undecided_fraction(xt, [0]) > 0  # column 0 took the exact path
+    want_mean, want_var = datasets.oracle(x, (0,))
+    assert np.array_equal(bits(mean.numpy()), bits(want_mean))
+    assert np.array_equal(bits(var.numpy()), bits(want_var))
+    assert mean.numpy()[0] == np.float32(0.5 + 2.0**-24)
+    laid, axis = tf_moments._layout(xt, [0])
+    m64, v64 = (tf.cast(t, tf.float64) for t in (mean, var))
+    want_lo = tf.cast(_xla_mean_lo(laid, axis, m64, v64, FORMATS["float32"]), tf.float32)
+    assert np.array_equal(bits(lo.numpy()), bits(want_lo.numpy()))
+    assert lo.numpy()[0] < 0
+
+
 @pytest.mark.native
 def test_a_layer_step_in_a_graph_runs_the_native_ops_and_no_cond():
     """The batch statistics and the centred input are one StableCentre op (its gradient
