@@ -32,7 +32,6 @@ maximum = jnp.maximum
 minimum = jnp.minimum
 round = jnp.round  # noqa: A001  (half to even)
 floor = jnp.floor
-floordiv = jnp.floor_divide
 truncdiv = lax.div  # rounds toward zero
 zeros_like = jnp.zeros_like
 transpose = jnp.transpose

@@ -156,31 +156,31 @@ def _slice_moments_xla(axis, ddof, parts, n=None, lo=False):
     traced once: a call site adds one call, not a tf.cond with its two branch graphs
     (ResNet50's 53 layers traced those in about 1 s of a tf.function's first step,
     under cProfile)."""
-    dtype, k = parts[0].dtype, len(parts)
-    data = list(parts) + ([tf.cast(n, tf.int64)] if n is not None else [])
+    dtype, k, has_n = parts[0].dtype, len(parts), n is not None
+    data = list(parts) + ([tf.cast(n, tf.int64)] if has_n else [])
     if tf.executing_eagerly():
-        return _xla_steps(axis, ddof, k, dtype, n is not None, lo, data)
-    spec = [tf.TensorSpec([None, None], dtype)] * k + (
-        [tf.TensorSpec([], tf.int64)] if n is not None else []
-    )
-    key = ("graph", axis, ddof, k, dtype, n is not None, lo, _exact_only())
-    steps = functools.partial(_xla_steps, axis, ddof, k, dtype, n is not None, lo)
+        return _xla_steps(axis, ddof, k, dtype, has_n, lo, data)
+    key = ("graph", axis, ddof, k, dtype, has_n, lo, _exact_only())
+    steps = functools.partial(_xla_steps, axis, ddof, k, dtype, has_n, lo)
+    spec = _data_spec(k, dtype, has_n)
     out = _compiled(key, lambda *args: steps(list(args)), spec, jit_compile=False)(*data)
     return tuple(tf.ensure_shape(o, [None]) for o in out[:-1]) + (out[-1],)
+
+
+def _data_spec(k, dtype, has_n):
+    """The signature of the kernel's data: k parts [rows, cols], then the count n."""
+    return [tf.TensorSpec([None, None], dtype)] * k + ([tf.TensorSpec([], tf.int64)] * has_n)
 
 
 def _xla_steps(axis, ddof, k, dtype, has_n, lo, data):
     """`_slice_moments_xla`'s steps on data (the parts, then n where has_n)."""
     exact_only = _exact_only()
-    n = data[k] if has_n else None
     key = (axis, ddof, k, dtype, has_n)
-    spec = [tf.TensorSpec([None, None], dtype)] * k + (
-        [tf.TensorSpec([], tf.int64)] if has_n else []
-    )
+    spec = _data_spec(k, dtype, has_n)
     results = [tf.TensorSpec([None], tf.float64)] * (k + 1)
 
     def split(args):
-        return list(args[:k]), (args[k] if n is not None else None), args[k + (n is not None) :]
+        return list(args[:k]), (args[k] if has_n else None), args[k + has_n :]
 
     def fast(*args):
         p, count, _ = split(args)

@@ -371,7 +371,6 @@ _COMMON = dict(
     minimum=lambda a, b: tf.minimum(_like(a, b), _like(b, a)),
     round=tf.math.round,  # half to even
     floor=tf.math.floor,
-    floordiv=tf.math.floordiv,
     truncdiv=tf.truncatediv,
     zeros_like=tf.zeros_like,
     transpose=tf.transpose,
