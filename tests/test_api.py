@@ -903,10 +903,8 @@ def test_the_xla_kernel_leaves_xlas_simplification_in_four_rounds():
         [sys.executable, "-c", _ROUNDS_CODE], cwd=root, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rounds = [
-        int(r) + 1
-        for r in re.findall(r"\] simplification iteration (\d+) changed_this_iteration", proc.stderr)
-    ]
+    pattern = r"\] simplification iteration (\d+) changed_this_iteration"
+    rounds = [int(r) + 1 for r in re.findall(pattern, proc.stderr)]
     assert rounds, proc.stderr[-3000:]  # the log is there: the test can see the rounds
     assert max(rounds) <= 4, max(rounds)
 
