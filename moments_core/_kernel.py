@@ -196,7 +196,8 @@ def block_sums(ops, a, b, c, axis, terms):
     section 6; the final rounding: u).  g(j) returns that factor.  A slice of at most
     BLOCK terms is one reduction: g(j) is the any-order gamma_(n + j - 1).  A length
     unknown while tracing (TF) pads every slice to whole blocks with exact zeros (a, b)
-    and inf (c), which change no sum and no minimum.  terms: n, the number of terms that
+    and inf (c), and adds one more block of them (m counts it), which change no sum
+    and no minimum.  terms: n, the number of terms that
     may be nonzero (float64; the others are exact zeros, which no addition rounds), so
     that L is at most n too.
     """
@@ -219,7 +220,14 @@ def block_sums(ops, a, b, c, axis, terms):
             ops.pad(t, axis, full * BLOCK - n, v) for t, v in zip(arrays, (0.0, 0.0, float("inf")))
         ]
         blocks = _block_stage(ops, padded, axis, full)
-        count = ops.cast(full, "float64")
+        # One more block of exact zeros (inf for the minimum): a slice of one block
+        # would make the second stage a reduction over one element, which XLA turns
+        # into a reshape once the length is known, and its reshape mover sinks that
+        # reshape through the per-slice chain one operation per round of its
+        # simplification fixpoint (TF `jit_compile` ResNet50: 10 rounds, 4 with the
+        # block; docs section 10).  The bound counts the block.
+        blocks = [ops.pad(t, axis, 1, v) for t, v in zip(blocks, (0.0, 0.0, float("inf")))]
+        count = ops.cast(full + 1, "float64")
     h1, l1, h2, l2, smallest = ops.pair_sums_min(*blocks, axis)
     e = 2.0 * gamma(2.0 * count) * U * count
     longest = min(terms, BLOCK) if isinstance(terms, float) else ops.minimum(terms, float(BLOCK))
@@ -229,13 +237,14 @@ def block_sums(ops, a, b, c, axis, terms):
 def depth_bound(ops, n):
     """g(j) that bounds `block_sums`' g(j) for every slice of at most n terms (n: a
     float, or a float64 array): the longest block is at most min(n, BLOCK) terms and the
-    number of blocks at most ceil(n / BLOCK), and gamma_k and e_m grow with k and m (a
-    slice of at most BLOCK terms has the any-order gamma_(n + j - 1), below it too)."""
+    number of blocks at most ceil(n / BLOCK) + 1 (a length unknown while tracing adds a
+    block of zeros), and gamma_k and e_m grow with k and m (a slice of at most BLOCK
+    terms has the any-order gamma_(n + j - 1), below it too)."""
     if isinstance(n, float):
-        blocks = float(-(-int(n) // BLOCK))
+        blocks = float(-(-int(n) // BLOCK) + 1)
         longest = min(n, float(BLOCK))
     else:
-        blocks = ops.floor((n + (BLOCK - 1)) * (1.0 / BLOCK))  # exact: n < 2**53, BLOCK 2**8
+        blocks = ops.floor((n + (2 * BLOCK - 1)) * (1.0 / BLOCK))  # exact: n < 2**53, BLOCK 2**8
         longest = ops.minimum(n, float(BLOCK))
     e = 2.0 * gamma(2.0 * blocks) * U * blocks
     return lambda j: gamma(longest + j + 1.0) + e

@@ -876,7 +876,8 @@ def test_the_fast_paths_per_slice_chain_is_compiled_once():
         assert len([n for n in sizes if n > max(sizes) / 2]) == 1, sizes
 
 
-_ROUNDS_CODE = """
+_ROUNDS_CODE = {
+    "jax": """
 import jax, jax.numpy as jnp
 from jax_kernel import _moments as jm
 
@@ -885,22 +886,42 @@ def step(v):  # the kernel with mean_lo, and a layer's elementwise formula after
     return (v - mean - lo) * jax.lax.rsqrt(var + 1e-3) * 2.0 + 1.0
 
 jax.jit(step).lower(jax.ShapeDtypeStruct((4096, 64), jnp.float32)).compile()
-"""
+""",
+    # A batch unknown while tracing: the kernel's module is symbolic in the length, and
+    # slices of one block (16 * 4 * 4 = 256 elements).
+    "tf": """
+import os
+os.environ["TF_STABLE_MOMENTS_NATIVE"] = "0"
+import tensorflow as tf, tf_stable_moments
+
+spec = tf.TensorSpec([None, 4, 4, 64], tf.float32)
+step = tf.function(lambda v: tf_stable_moments.moments(v, [0, 1, 2]), jit_compile=True)
+step.get_concrete_function(spec)(tf.ones([16, 4, 4, 64]))
+""",
+}
 
 
-def test_the_xla_kernel_leaves_xlas_simplification_in_four_rounds():
+@pytest.mark.parametrize("framework", ["jax", "tf"])
+def test_the_xla_kernel_leaves_xlas_simplification_in_four_rounds(framework):
     """XLA's simplification pipeline repeats until a round changes nothing, each round a
-    pass over the whole module.  Two shapes of the kernel kept it going: the exact
+    pass over the whole module.  Three shapes of the kernel kept it going: the exact
     path's results left its loop as reshaped columns of its table, a reshape that XLA's
-    reshape mover sank through their consumers one operation per round, and constants
+    reshape mover sank through their consumers one operation per round; constants
     subtracted inside its loops came back into them a round after code motion had
-    hoisted their negations (`_kernel._batched`, `_exact`'s module docstring).  This
-    step took 10 rounds (7 with either change alone); now 4, as XLA's own moments.
-    The rounds are XLA's log (a process of its own, VLOG of hlo_pass_fix)."""
+    hoisted their negations (`_kernel._batched`, `_exact`'s module docstring); and with
+    a length unknown while tracing, a slice of one block made the fast path's second
+    stage a reduction of one element, a reshape once XLA knew the length
+    (`_kernel.block_sums`).  JAX's step took 10 rounds (7 with either of the first two
+    changes alone), TensorFlow's 9 (with the first two changes); now 4, as XLA's own
+    moments.  The rounds are XLA's log (a process of its own, VLOG of hlo_pass_fix)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_fix=3")
     proc = subprocess.run(
-        [sys.executable, "-c", _ROUNDS_CODE], cwd=root, env=env, capture_output=True, text=True
+        [sys.executable, "-c", _ROUNDS_CODE[framework]],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     pattern = r"\] simplification iteration (\d+) changed_this_iteration"
