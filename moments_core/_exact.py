@@ -24,7 +24,7 @@ Inside the exact path's loops a constant is added, never subtracted (x + (-c)): 
 algebraic simplifier rewrites x - c as x + negate(c), its loop-invariant code motion
 hoists that negate out of the loop before constant folding folds it, and constant
 sinking moves it back in a round later; the rounds of that fixpoint each pass over the
-whole module (one `moments` call under JAX `jit`: 7 rounds, 4 without; docs section 10).
+whole module (nine `moments` calls in one JAX `jit`: 7 rounds, 4 without; docs section 10).
 
 Limits: n < 2**46 (digit sums, products n * digit and remainders * 2**16 stay
 below 2**63).  All operations are integer operations of the backend: XLA
